@@ -1,0 +1,214 @@
+"""
+Make the shipped data and the tiny offline model, deterministically (in the manner of nanoGPT's prepare.py).
+
+    python data/prepare.py            # data/train.jsonl, data/test.jsonl and data/tiny/ (~1 min on 2 CPU cores)
+    python data/prepare.py rephrase --model PATH_OR_NAME --input in.jsonl --output out.jsonl -n 3
+
+The task: add two numbers from 10 to 99 and show the column sum, e.g. for "47+38=":
+
+    <think>7+8=15 c1 4+3+1=8</think><answer>85</answer>
+
+Each question is asked in one of 8 problem-equivalent ways (4 wordings x 2 operand orders); the other 7 are
+its "rephrasings" (for TA-GRPO). 200 unordered pairs are held out (both orders) for test.jsonl.
+
+The tiny model is a ~0.5M-parameter Qwen2 with a character-level tokenizer, warm-started by a short supervised
+run on deliberately noisy worked solutions: with probability THOUGHT_NOISE[k] the thought has one wrong step
+(and the answer follows the wrong thought), then with probability ANSWER_NOISE[k] the answer is off by 1 or 10.
+The noise grows with the wording k, so wordings differ in difficulty, and the model's answers follow its
+thoughts. The right answer ends up the mode but far from certain: room for RL to show gains.
+
+`rephrase` asks a local instruct model for problem-equivalent rephrasings and keeps only those that keep every
+number of the original (as a multiset), differ from the original and from each other, and are not empty.
+"""
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpo  # noqa: E402  (prompts, sampler and scorer are shared with training)
+
+HERE = Path(__file__).resolve().parent
+SEED = 1337
+TEMPLATES = ["{a}+{b}=", "what is {a} plus {b}?", "add {a} to {b}", "sum of {a} and {b}"]
+THOUGHT_NOISE = [0.0, 0.3, 0.6, 0.9]
+ANSWER_NOISE = [0.05, 0.15, 0.25, 0.35]
+NUM_TRAIN, NUM_TEST = 3000, 200
+SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=()<>?.,:;!'\"\n")
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+def phrasings(a: int, b: int) -> list[str]:
+    return [t.format(a=x, b=y) for t in TEMPLATES for x, y in ((a, b), (b, a))]
+
+
+def solution(a: int, b: int, rng: random.Random, k: int) -> str:
+    """A worked column sum for operands a, b (in order of appearance), noisy as wording k prescribes."""
+    units, carry_ok = a % 10 + b % 10, (a % 10 + b % 10) // 10
+    u, c, t = units, carry_ok, a // 10 + b // 10 + carry_ok
+    if rng.random() < THOUGHT_NOISE[k]:
+        step = rng.randrange(3)
+        if step == 0:  # a wrong units sum; the carry follows from it
+            u = units + 1 if units == 0 else units + rng.choice([-1, 1])
+            c = u // 10
+            t = a // 10 + b // 10 + c
+        elif step == 1:  # a flipped carry
+            c = 1 - carry_ok
+            t = a // 10 + b // 10 + c
+        else:  # a wrong tens sum
+            t += rng.choice([-1, 1])
+    answer = t * 10 + u % 10
+    if rng.random() < ANSWER_NOISE[k]:
+        answer += rng.choice([-10, -1, 1, 10])
+    return f"<think>{a % 10}+{b % 10}={u} c{c} {a // 10}+{b // 10}+{c}={t}</think><answer>{answer}</answer>"
+
+
+def make_data(rng: random.Random):
+    pairs = [(a, b) for a in range(10, 100) for b in range(a, 100)]
+    rng.shuffle(pairs)
+    held_out = pairs[:NUM_TEST]
+    banned = {p for a, b in held_out for p in ((a, b), (b, a))}
+    train_pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if (a, b) not in banned]
+
+    def row(a, b):
+        forms = phrasings(a, b)
+        rng.shuffle(forms)
+        return {"question": forms[0], "answer": str(a + b), "rephrasings": forms[1:]}
+
+    train = [row(*p) for p in rng.sample(train_pairs, NUM_TRAIN)]
+    test = [row(*p) for p in held_out]
+    return train, test, train_pairs
+
+
+def write_jsonl(path: Path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+# -----------------------------------------------------------------------------
+# Tiny tokenizer and model
+
+
+def build_tokenizer():
+    """A character-level tokenizer in Qwen2's own format (byte-level BPE with no merges), so that
+    AutoTokenizer, which picks Qwen2Tokenizer for a qwen2 model folder, reloads exactly this tokenizer."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_char = bytes_to_unicode()  # the printable stand-in of each byte, e.g. " " -> "Ġ"
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["".join(byte_char[b] for b in c.encode()) for c in CHARS])}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                         pad_token="<pad>", padding_side="left")
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS[4:]})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])  # each tag is one token
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }}{{ m['content'] }}"
+                         "{% if m['role'] == 'assistant' %}{{ '<eos>' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    return tok
+
+
+def build_model(tokenizer, arch="qwen2", hidden=128, layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = model_cls(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def sft(model, tokenizer, train_pairs, rng, steps=400, batch_size=64, lr=2e-3, warmup=20):
+    """Supervised warm start on noisy solutions; loss on completion tokens only."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (
+        1 + math.cos(math.pi * s / steps))))
+    model.train()
+    for step in range(steps):
+        seqs, labels = [], []
+        for _ in range(batch_size):
+            a, b = rng.choice(train_pairs)
+            k = rng.randrange(len(TEMPLATES))
+            a, b = (a, b) if rng.random() < 0.5 else (b, a)
+            prompt = grpo.prompt_ids(tokenizer, TEMPLATES[k].format(a=a, b=b), grpo.SYSTEM_PROMPT)
+            target = tokenizer(solution(a, b, rng, k), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            seqs.append(prompt + target)
+            labels.append([-100] * len(prompt) + target)
+        L = max(map(len, seqs))
+        ids = torch.tensor([s + [tokenizer.pad_token_id] * (L - len(s)) for s in seqs])
+        lab = torch.tensor([s + [-100] * (L - len(s)) for s in labels])
+        attention_mask = (torch.arange(L)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"sft step {step:4d} loss {loss.item():.3f}")
+
+
+def report(model, tokenizer, test):
+    """Held-out sampled accuracy per wording (one sample per prompt, temperature 1)."""
+    torch.manual_seed(0)
+    prompts, answers, kinds = [], [], []
+    for row in test:
+        for text in [row["question"]] + row["rephrasings"]:
+            prompts.append(grpo.prompt_ids(tokenizer, text, grpo.SYSTEM_PROMPT))
+            answers.append(row["answer"])
+            kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
+                re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
+    ids, mask, finished = grpo.sample(model, tokenizer, prompts, 32)
+    rewards, _ = grpo.score_batch(tokenizer, ids, mask, finished, answers)
+    per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
+    print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
+          + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
+
+
+def prepare(args):
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    train, test, train_pairs = make_data(rng)
+    write_jsonl(HERE / "train.jsonl", train)
+    write_jsonl(HERE / "test.jsonl", test)
+    print(f"wrote {len(train)} train and {len(test)} test rows")
+    t0 = time.time()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    print(f"tiny model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
+    sft(model, tokenizer, train_pairs, rng)
+    out = HERE / "tiny"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"saved {out} ({time.time() - t0:.0f} s)")
+    report(model, tokenizer, test)
+
+# -----------------------------------------------------------------------------
+# Rephrasing with a local instruct model (TA-GRPO data)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=SEED)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("all", help="data and tiny model (the default)")
+    args = parser.parse_args(argv)
+    prepare(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,868 @@
+"""
+grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
+
+    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2 min)
+    python grpo.py --variant lambda                  # or ma, ta
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl --test-data my_test.jsonl \\
+        --max-new-tokens 512 --lr 1e-6 --gradient-checkpointing    # one GPU, bf16 autocast
+
+The four schemes differ only in how completions are sampled and how their advantages and per-token weights
+are filled in; they share the sampler, the log-prob pass and the loss:
+
+- grpo    GRPO (DeepSeekMath, arXiv 2402.03300): P prompts x G completions; advantage = reward normalised
+          within the group; clipped ratio; optional k3 KL to a frozen reference.
+- ma      GRPO-MA (arXiv 2509.24494): per prompt K thoughts (stopped after </think>) and M answers per
+          thought; a thought's value is the mean reward of its answers, thought advantage normalised over
+          the K thoughts, answer advantage over all K*M answers.
+- ta      TA-GRPO (arXiv 2601.22478): the question plus N problem-equivalent rephrasings, G samples each;
+          advantages normalised jointly over the (N+1)*G responses; every response is trained as if it had
+          been an answer to the original question q0 (importance ratios anchored on q0).
+- lambda  λ-GRPO (arXiv 2509.21154): each token's loss term is divided by |λ(i,t)|, the number of completions
+          in the group that share the completion's prefix up to and including that token.
+
+Everything is organised around *rows*. A row is: context ids (what the completion is conditioned on when
+log-probs are taken), completion ids and mask, an advantage (per row or per token) and optional per-token
+weights. A variant is a function that samples and fills rows; `update()` does not know which variant made them.
+
+What is simplified versus the papers (honestly):
+- Generation is HF `model.generate` with a KV cache, not vLLM; one process samples and trains (no colocated
+  inference engine), so it is meant for models up to ~1-3B on one GPU.
+- The reward is exact-match of the last <answer>...</answer> (or \\boxed{...}) after simple number
+  normalisation, not math_verify; an unfinished completion (no EOS within --max-new-tokens) scores 0.
+- No LoRA; the reference model, when beta > 0, is a full frozen copy.
+- GRPO-MA: thoughts that never close with </think> are not continued; their M answers score 0 (documented
+  in rollout_ma). The paper's weighting between thought and answer tokens is not published; here every
+  thought and answer token goes through the same loss aggregation (see rollout_ma).
+- TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py rephrase`
+  makes them with a local model) instead of GPT-4-Turbo.
+- λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
+- The learning rate warms up linearly and then stays constant.
+"""
+
+import argparse
+import copy
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+SYSTEM_PROMPT = "think in <think></think>, then answer in <answer></answer>."
+
+# -----------------------------------------------------------------------------
+# Config: one dataclass of defaults; every field is also a command-line flag.
+
+
+def _opt(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM and its tokenizer")
+    data: str = _opt(str(HERE / "data" / "train.jsonl"), "training JSONL: question, answer, rephrasings (optional)")
+    test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
+    system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
+    variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
+    # sampling
+    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per question (ta)")
+    prompts_per_step: int = _opt(16, "P: prompts per step")
+    max_new_tokens: int = _opt(32, "completion length limit (for ma: the thought's limit)")
+    temperature: float = _opt(1.0, "sampling temperature; log-probs use the same")
+    top_p: float = _opt(1.0, "nucleus sampling (1.0 = off); top-k is always off")
+    # GRPO-MA
+    num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
+    num_answers: int = _opt(4, "M (ma): answers per thought")
+    max_answer_tokens: int = _opt(12, "answer length limit (ma)")
+    # TA-GRPO
+    num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
+    ta_anchor: str = _opt("original", "(ta) context for log-probs: q0 (paper v5) or the rephrasing (public code)",
+                          ["original", "rephrased"])
+    # loss and optimisation
+    loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "bnpo", "dr_grpo", "dapo"])
+    scale_rewards: str = _opt("group", "std used to scale advantages", ["group", "batch", "none"])
+    beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
+    epsilon: float = _opt(0.2, "lower clip range of the ratio")
+    epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
+    num_iterations: int = _opt(1, "mu: updates per sampled batch")
+    format_reward: float = _opt(0.0, "extra reward for a well-formed <think>..</think><answer>..</answer>")
+    lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
+    warmup_steps: int = _opt(10, "linear warmup, then constant")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = _opt(1.0, "gradient clipping")
+    micro_batch_size: int = _opt(64, "rows per forward/backward (gradients accumulate across them)")
+    steps: int = _opt(100, "training steps")
+    # eval, logging, checkpoints, runtime
+    eval_every: int = _opt(0, "eval every N steps (0 = only at start and end)")
+    eval_samples: int = _opt(8, "samples per held-out question for pass@k")
+    eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
+    out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
+    resume: bool = _opt(False, "continue from the checkpoint in --out")
+    seed: int = _opt(0, "seed for data order, sampling and init")
+    device: str = _opt("auto", "auto picks cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
+    gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class DataError(ValueError):
+    pass
+
+
+def parse_args(argv=None) -> Config:
+    """Build argparse from the Config fields (--field-name), then check the sizes."""
+    parser = argparse.ArgumentParser(description="GRPO and variants in one file.")
+    parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, not usage + error
+    for f in fields(Config):
+        flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        else:
+            parser.add_argument(flag, type=f.type, default=f.default, choices=f.metadata["choices"], help=help)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config):
+    rules = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2), ("num_answers", 1),
+             ("num_rephrasings", 1), ("max_new_tokens", 1), ("max_answer_tokens", 1), ("num_iterations", 1),
+             ("micro_batch_size", 1), ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0),
+             ("eval_every", 0), ("eval_limit", 0)]
+    for name, low in rules:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
+    if cfg.temperature <= 0:
+        raise ConfigError(f"--temperature must be > 0, got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+
+# -----------------------------------------------------------------------------
+# Data: JSONL rows {"question": str, "answer": str, "rephrasings": [str, ...]} (rephrasings optional).
+
+
+def load_jsonl(path) -> list[dict]:
+    """Read and check a data file; any bad line stops with 'file:line: field ...'."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object with 'question' and 'answer'")
+        for key in ("question", "answer"):
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
+                value = row[key] = str(value)
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: field '{key}' is missing or empty")
+        rephrasings = row.setdefault("rephrasings", [])
+        if not isinstance(rephrasings, list) or not all(isinstance(r, str) and r.strip() for r in rephrasings):
+            raise DataError(f"{where}: field 'rephrasings' must be a list of non-empty strings")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
+    """Chat-template a question (with the system prompt) into token ids, generation prompt included."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+# -----------------------------------------------------------------------------
+# Rewards: exact match of the final answer. Model output is only ever parsed as text.
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d+(\.\d+)?")
+FRACTION_RE = re.compile(r"(-?\d+)/(\d+)|\\d?frac\{(-?\d+)\}\{(\d+)\}")
+FORMAT_RE = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+
+
+def extract_answer(text: str):
+    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None."""
+    found = ANSWER_RE.findall(text)
+    if found:
+        return found[-1]
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def parse_number(text: str):
+    """'1,234' '+5' '85.0' '-3/4' '\\frac{1}{2}' -> Fraction; anything else -> None."""
+    s = re.sub(r"[\s,$]", "", text)
+    s = s[1:] if s.startswith("+") else s
+    if NUMBER_RE.fullmatch(s):
+        return Fraction(s)
+    m = FRACTION_RE.fullmatch(s)
+    if m:
+        num, den = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return Fraction(int(num), int(den)) if int(den) else None
+    return None
+
+
+def score(text: str, reference: str, finished: bool, format_reward: float = 0.0):
+    """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer equals the
+    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for the
+    <think>..</think><answer>..</answer> shape. parsed is False when no answer could be read."""
+    answer = extract_answer(text)
+    ref_num = parse_number(reference)
+    parsed = answer is not None and (ref_num is None or parse_number(answer) is not None)
+    correct = False
+    if parsed and finished:
+        correct = (parse_number(answer) == ref_num) if ref_num is not None else (
+            re.sub(r"\s", "", answer) == re.sub(r"\s", "", reference))
+    shaped = finished and FORMAT_RE.fullmatch(text) is not None
+    return float(correct) + format_reward * shaped, parsed
+
+# -----------------------------------------------------------------------------
+# Sampler: batched, left-padded, KV-cached generation; returns completions and their masks.
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return sorted(ids | {tokenizer.eos_token_id})
+
+
+def left_pad(seqs: list[list[int]], pad_id: int):
+    """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids, mask
+
+
+def completion_mask(completion_ids, eos, tokenizer=None, stop_strings=None):
+    """(B, C) mask of the tokens up to and including the first EOS or the token that completes a stop
+    string, plus (B,) finished flags. Never `!= pad`: real tokenizers often have pad == eos, and generate
+    pads a stopped row with pad, which would look like an EOS the model never chose."""
+    B, C = completion_ids.shape
+    ends = torch.full((B,), C, dtype=torch.long)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)).cpu()
+    has_eos = is_eos.any(1)
+    ends[has_eos] = is_eos.int().argmax(1)[has_eos]
+    if stop_strings:
+        pieces = tokenizer.batch_decode(completion_ids.reshape(-1, 1).cpu())  # each token's text
+        for i in range(B):
+            row = pieces[i * C:(i + 1) * C]
+            cum = np.cumsum([len(p) for p in row])
+            text = "".join(row)
+            hits = [text.find(s) + len(s) for s in stop_strings if s in text]
+            if hits:
+                ends[i] = min(ends[i], int(np.searchsorted(cum, min(hits))))
+    positions = torch.arange(C)[None, :]
+    return (positions <= ends[:, None]).long().to(completion_ids.device), ends < C
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature=1.0, top_p=1.0,
+           greedy=False, stop_strings=None, batch_size=512):
+    """Sample one completion per prompt (token-id lists). Returns completion_ids (B, C), completion_mask
+    (B, C) and finished (B,). Seed torch beforehand for reproducible samples."""
+    was_training = model.training
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    model.eval()
+    if checkpointing:  # with checkpointing on, generate silently turns the KV cache off
+        model.gradient_checkpointing_disable()
+    eos = eos_ids(model, tokenizer)
+    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p)
+    device = next(model.parameters()).device
+    chunks = []
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[i:i + batch_size], tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            top_k=0, repetition_penalty=1.0,  # override a hub generation_config's sampling defaults
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, stop_strings=stop_strings,
+            tokenizer=tokenizer if stop_strings else None, **knobs)
+        chunks.append(out[:, ids.shape[1]:])
+    C = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([torch.nn.functional.pad(c, (0, C - c.shape[1]), value=tokenizer.pad_token_id)
+                                for c in chunks])
+    mask, finished = completion_mask(completion_ids, eos, tokenizer, stop_strings)
+    model.train(was_training)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return completion_ids, mask, finished
+
+
+def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
+    return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)]
+
+# -----------------------------------------------------------------------------
+# Rows: what every variant hands to the loss.
+
+
+@dataclass
+class Rows:
+    context_ids: torch.Tensor      # (B, Lc) left-padded: what the completion is conditioned on
+    context_mask: torch.Tensor     # (B, Lc)
+    completion_ids: torch.Tensor   # (B, C) right-padded
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
+    advantages: torch.Tensor       # (B,) or (B, C)
+    token_weights: torch.Tensor | None = None  # (B, C) multiplies the whole per-token loss (λ-GRPO)
+
+    def __len__(self):
+        return len(self.completion_ids)
+
+    def select(self, idx):
+        pick = lambda t: None if t is None else t[idx]
+        return Rows(*(pick(getattr(self, f.name)) for f in fields(self)))
+
+
+def make_rows(contexts: list[list[int]], completion_ids, completion_mask, advantages, pad_id, token_weights=None):
+    context_ids, context_mask = left_pad(contexts, pad_id)
+    return Rows(context_ids, context_mask, completion_ids.cpu(), completion_mask.cpu(), advantages, token_weights)
+
+
+def cat_rows(parts: list[Rows], pad_id) -> Rows:
+    """Stack rows of different context and completion lengths: contexts are left-padded, completions
+    right-padded; advantages become per-token (B, C) unless every part has one per row."""
+    Lc = max(r.context_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    left = lambda t, value: torch.nn.functional.pad(t, (Lc - t.shape[1], 0), value=value)
+    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
+    if all(r.advantages.dim() == 1 for r in parts):
+        advantages = torch.cat([r.advantages for r in parts])
+    else:
+        advantages = torch.cat([right(r.advantages if r.advantages.dim() == 2 else
+                                      r.advantages[:, None].expand(r.completion_mask.shape), 0.0) for r in parts])
+    weights = None
+    if any(r.token_weights is not None for r in parts):
+        weights = torch.cat([right(r.completion_mask.float() if r.token_weights is None else r.token_weights, 0.0)
+                             for r in parts])
+    return Rows(torch.cat([left(r.context_ids, pad_id) for r in parts]),
+                torch.cat([left(r.context_mask, 0) for r in parts]),
+                torch.cat([right(r.completion_ids, pad_id) for r in parts]),
+                torch.cat([right(r.completion_mask, 0) for r in parts]),
+                advantages, weights)
+
+
+def trim(rows: Rows) -> Rows:
+    """Drop context columns that are padding in every row and completion columns masked in every row."""
+    first = int(rows.context_mask.any(0).int().argmax())
+    last = int(rows.completion_mask.any(0).nonzero().max()) + 1 if rows.completion_mask.any() else 1
+    cut = lambda t: None if t is None else (t[:, :last] if t.dim() == 2 else t)
+    return Rows(rows.context_ids[:, first:], rows.context_mask[:, first:], rows.completion_ids[:, :last],
+                rows.completion_mask[:, :last], cut(rows.advantages), cut(rows.token_weights))
+
+# -----------------------------------------------------------------------------
+# Log-probs: log π(completion_t | context, completion_<t), without a (B, T, V) float32 log-softmax copy.
+
+
+def per_token_logps(model, input_ids, attention_mask, completion_len: int, temperature: float = 1.0):
+    """input_ids (B, L) = left-padded context + completion -> (B, C) float32 log-probs of the completion
+    tokens under logits / temperature (the distribution they were sampled from)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, C, V), model dtype
+    targets = input_ids[:, -completion_len:]
+    rows = []
+    for row_logits, row_targets in zip(logits, targets):  # one (C, V) float32 copy at a time
+        row = row_logits.float() / temperature
+        rows.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - row.logsumexp(-1))
+    return torch.stack(rows)
+
+# -----------------------------------------------------------------------------
+# Advantages and token weights: one small function per scheme, on plain tensors.
+
+
+def _nanstd(x, dim=None, keepdim=False):
+    """Unbiased (ddof=1) std that ignores NaN entries."""
+    mean = x.nanmean(dim=dim, keepdim=True) if dim is not None else x.nanmean()
+    n = (~x.isnan()).sum(dim=dim, keepdim=keepdim) if dim is not None else (~x.isnan()).sum()
+    sq = ((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim) if dim is not None else ((x - mean) ** 2).nansum()
+    return (sq / (n - 1)).sqrt()
+
+
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
+    """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
+    A = (r - group mean) / (std + eps), std unbiased (ddof=1, as TRL); scale="batch" uses the std of the
+    whole batch, "none" skips the division. A group whose rewards are all equal gets 0. NaN rewards mark
+    rows that do not exist (ragged groups): they are left out of the statistics and get NaN back.
+
+    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)
+    tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
+
+    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 has one value, so 0.)
+    """
+    r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
+    adv = r - r.nanmean(1, keepdim=True)
+    if scale == "group":
+        adv = adv / (_nanstd(r, 1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (_nanstd(rewards) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+    filled = torch.where(r.isnan(), -math.inf, r)
+    emptied = torch.where(r.isnan(), math.inf, r)
+    constant = filled.amax(1, keepdim=True) == emptied.amin(1, keepdim=True)
+    adv = torch.where(constant & ~r.isnan(), 0.0, adv)  # exactly 0, not rounding noise / eps
+    return adv.reshape(rewards.shape)
+
+
+def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
+    """GRPO-MA advantages from a (P, K, M) reward tensor: P prompts, K thoughts each, M answers per thought.
+    A thought's value V(th_k) is the mean of its M answer rewards; the thought advantage normalises V over
+    the K thoughts of its prompt; the answer advantage normalises the rewards over all K*M answers of the
+    prompt (not within a thought). Same std convention and zero-variance rule as group_advantages.
+    Returns (thought_adv (P, K), answer_adv (P, K, M)).
+
+    One prompt, K=2, M=2, rewards [[1, 1], [1, 0]]: V = [1, 0.5], mean 0.75, std 0.3536 ->
+    thought_adv = [0.7069, -0.7069]; answers: mean 0.75, std 0.5 -> answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
+    """
+    P, K, M = rewards.shape
+    values = rewards.mean(-1)  # (P, K)
+    thought_adv = group_advantages(values.reshape(-1), K, scale, eps).reshape(P, K)
+    answer_adv = group_advantages(rewards.reshape(-1), K * M, scale, eps).reshape(P, K, M)
+    return thought_adv, answer_adv
+
+
+def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
+    """TA-GRPO advantages from a (P, N+1, G) reward tensor: question q0 and its N rephrasings, G responses
+    each. All (N+1)*G responses of a question form one group. A question with fewer than N rephrasings
+    marks the missing ones with NaN rewards (a ragged group): they are ignored and get NaN back.
+
+    One question, N=1, G=2, rewards [[1, 1], [0, 1]]: the q0 group alone has zero variance, but pooled
+    mean 0.75, std 0.5 -> [[0.4999, 0.4999], [-1.4997, 0.4999]].
+    """
+    P, Q, G = rewards.shape
+    return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
+
+
+def lambda_weights(completion_ids, completion_mask, group_size: int):
+    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0.
+
+    λ(i,t), the process set of token t of completion i, is the set of completions j in i's group whose
+    tokens 0..t (up to and including t) equal i's and are all unmasked; it counts i itself and exact
+    duplicates. Tokens in a shared prefix are trained once per prefix instead of once per completion.
+    Rows form groups of `group_size` consecutive rows. Exact (no hashing): a prefix id at t is the unique
+    pair (prefix id at t-1, token t), so the loop runs over positions only.
+
+    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; others 1.
+    """
+    B, T = completion_ids.shape
+    mask = completion_mask.bool()
+    rows = torch.arange(B, device=completion_ids.device)
+    prefix = rows // group_size  # at t = -1 every row of a group shares the empty prefix
+    big = int(completion_ids.max()) + B + 2
+    weights = torch.zeros(B, T, dtype=torch.float32, device=completion_ids.device)
+    for t in range(T):
+        # a masked token gets a key no other row can have, so it never joins (or continues) a prefix
+        token = torch.where(mask[:, t], completion_ids[:, t] + B + 1, rows)
+        _, prefix, counts = torch.unique(prefix * big + token, return_inverse=True, return_counts=True)
+        weights[:, t] = torch.where(mask[:, t], 1.0 / counts[prefix], 0.0)
+    return weights
+
+# -----------------------------------------------------------------------------
+# Loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
+
+
+def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps=None,
+                token_weights=None, beta=0.0, epsilon=0.2, epsilon_high=None, loss_type="dapo",
+                max_completion_length=None):
+    """GRPO surrogate loss (to minimise) and metrics.
+
+    per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
+    with ρ = exp(logp - old); advantages (B,) broadcast over tokens, or (B, T) per token. token_weights
+    (B, T) multiply the whole per-token loss (policy and KL) and leave the normaliser alone (λ-GRPO).
+    Aggregation as TRL: grpo = mean over rows of each row's token mean; bnpo/dapo = sum over all tokens /
+    number of tokens; dr_grpo = sum / (B * max_completion_length).
+    Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5, bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
+    """
+    mask = completion_mask.float()
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    epsilon_high = epsilon_high or epsilon
+    ratio = torch.exp(per_token_logps - old_per_token_logps)
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    metrics = {}
+    if beta:
+        delta = ref_per_token_logps - per_token_logps
+        kl = torch.exp(delta) - delta - 1
+        loss = loss + beta * kl
+        metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
+    if token_weights is not None:
+        loss = loss * token_weights
+    if loss_type == "grpo":
+        total = ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        total = (loss * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        total = (loss * mask).sum() / (loss.shape[0] * (max_completion_length or loss.shape[1]))
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    n = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)).float() * mask).sum().item() / n.item()
+        metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)).float() * mask).sum().item() / n.item()
+    return total, metrics
+
+# -----------------------------------------------------------------------------
+# Rollouts: one function per variant samples completions, scores them and fills rows.
+
+
+class timed:
+    """`with timed(metrics, "time/sample"):` adds the block's wall seconds to metrics[key]."""
+
+    def __init__(self, metrics, key):
+        self.metrics, self.key = metrics, key
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.metrics[self.key] = self.metrics.get(self.key, 0.0) + time.perf_counter() - self.start
+
+
+def score_batch(tokenizer, completion_ids, completion_mask, finished, answers, format_reward=0.0, prefixes=None):
+    """Rewards (B,) and parsed flags (B,) for sampled completions; prefixes (e.g. a thought) are prepended."""
+    texts = decode(tokenizer, completion_ids, completion_mask)
+    if prefixes is not None:
+        texts = [p + t for p, t in zip(prefixes, texts)]
+    scored = [score(t, a, bool(f), format_reward) for t, a, f in zip(texts, answers, finished)]
+    return torch.tensor([r for r, _ in scored]), torch.tensor([p for _, p in scored])
+
+
+def sample_metrics(rewards, group_size, parsed, completion_mask, finished) -> dict:
+    groups = rewards.reshape(-1, group_size)
+    lengths = completion_mask.sum(1).float()
+    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.amax(1) == groups.amin(1)).float().mean().item(),
+            "completion_length": lengths.mean().item(), "completion_length_max": lengths.max().item(),
+            "truncated": 1 - finished.float().mean().item(), "unparseable": 1 - parsed.float().mean().item()}
+
+
+def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the rows also
+    carry 1/|λ| token weights."""
+    G, metrics = cfg.num_generations, {}
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch for _ in range(G)]
+    with timed(metrics, "time/sample"):
+        ids, mask, finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    with timed(metrics, "time/score"):
+        answers = [row["answer"] for row in batch for _ in range(G)]
+        rewards, parsed = score_batch(tokenizer, ids, mask, finished, answers, cfg.format_reward)
+        advantages = group_advantages(rewards, G, cfg.scale_rewards)
+        weights = lambda_weights(ids, mask, G) if cfg.variant == "lambda" else None
+    metrics.update(sample_metrics(rewards, G, parsed, mask, finished), tokens=mask.sum().item())
+    if weights is not None:
+        on = mask.bool()
+        metrics["lambda_mean"] = (1 / weights[on]).mean().item()        # mean |λ| over completion tokens
+        metrics["lambda_shared"] = (weights[on] < 1).float().mean().item()  # share of tokens with |λ| > 1
+    return make_rows(prompts, ids, mask, advantages, tokenizer.pad_token_id, weights), metrics
+
+
+def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """GRPO-MA: K thoughts per prompt, each stopped right after </think> (the tag belongs to the thought),
+    then M answers per thought, continued from prompt + thought and stopped at EOS.
+
+    A thought that ends without </think> (length limit or EOS) is *unclosed*: it is not continued, its M
+    answers score 0 (so V = 0) and produce no answer rows; the thought row itself is trained with its
+    (usually negative) thought advantage. Counted in metrics["unclosed_thoughts"].
+
+    Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M times;
+    each answer is one row (context = prompt + its thought, advantage = answer advantage). Under the token
+    aggregations (dapo, bnpo) every thought and answer token weighs the same in one token mean, so the
+    K*M answers together outweigh the K thoughts when answers are as long; under grpo each row (thought or
+    answer) is one sequence of the row mean; under dr_grpo every token counts 1/(rows * max length).
+    """
+    K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch for _ in range(K)]
+    with timed(metrics, "time/sample"):
+        th_ids, th_mask, th_finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
+                                              cfg.top_p, stop_strings=["</think>"])
+    thoughts = decode(tokenizer, th_ids, th_mask)
+    closed = torch.tensor([bool(f) and t.rstrip().endswith("</think>") for t, f in zip(thoughts, th_finished)])
+    keep = closed.nonzero().squeeze(1).tolist()
+    contexts = [prompts[k] + th_ids[k][th_mask[k].bool()].tolist() for k in keep for _ in range(M)]
+    rewards = torch.zeros(len(prompts), M)  # (P*K, M): unclosed thoughts keep 0
+    if keep:
+        with timed(metrics, "time/sample"):
+            ans_ids, ans_mask, ans_finished = sample(model, tokenizer, contexts, cfg.max_answer_tokens,
+                                                     cfg.temperature, cfg.top_p)
+        with timed(metrics, "time/score"):
+            answers = [batch[k // K]["answer"] for k in keep for _ in range(M)]
+            r, parsed = score_batch(tokenizer, ans_ids, ans_mask, ans_finished, answers, cfg.format_reward,
+                                    prefixes=[thoughts[k] for k in keep for _ in range(M)])
+            rewards[keep] = r.view(-1, M)
+    thought_adv, answer_adv = ma_advantages(rewards.view(len(batch), K, M), cfg.scale_rewards)
+    pad = tokenizer.pad_token_id
+    parts = [make_rows(prompts, th_ids, th_mask, thought_adv.reshape(-1), pad)]
+    if keep:
+        parts.append(make_rows(contexts, ans_ids, ans_mask, answer_adv.reshape(-1, M)[keep].reshape(-1), pad))
+    values = rewards.view(len(batch), K, M).mean(-1)
+    metrics.update(
+        reward=rewards.mean().item(), reward_std=rewards.std().item(),
+        thought_reward=values.mean().item(), answer_reward=r.mean().item() if keep else 0.0,
+        frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
+        unclosed_thoughts=1 - closed.float().mean().item(), thought_length=th_mask.sum(1).float().mean().item(),
+        answer_length=ans_mask.sum(1).float().mean().item() if keep else 0.0,
+        truncated=1 - ans_finished.float().mean().item() if keep else 1.0,
+        unparseable=1 - parsed.float().mean().item() if keep else 1.0,
+        tokens=th_mask.sum().item() + (ans_mask.sum().item() if keep else 0))
+    return cat_rows(parts, pad), metrics
+
+
+def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """TA-GRPO: for each question q0 take up to N of its rephrasings (a fresh random subset each step),
+    sample G responses to each of the N+1 questions, score each response as it is, and normalise the
+    advantages jointly over the question's (n+1)*G responses (ragged when a question has n < N).
+    With --ta-anchor original (paper v5) every row's context is q0's prompt, so the current, old and
+    reference log-probs are all log π(o | q0); `rephrased` keeps the prompt that produced the response
+    (the public code's behaviour)."""
+    G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
+    questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"]))) for row in batch]
+    flat = [(p, j) for p, qs in enumerate(questions) for j in range(len(qs)) for _ in range(G)]
+    own = [prompt_ids(tokenizer, questions[p][j], cfg.system_prompt) for p, j in flat]
+    with timed(metrics, "time/sample"):
+        ids, mask, finished = sample(model, tokenizer, own, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    with timed(metrics, "time/score"):
+        r, parsed = score_batch(tokenizer, ids, mask, finished, [batch[p]["answer"] for p, _ in flat], cfg.format_reward)
+        rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such question
+        slots = torch.tensor([[p, j] for p, j in flat])
+        rewards[slots[:, 0], slots[:, 1], torch.arange(len(flat)) % G] = r
+        advantages = ta_advantages(rewards, cfg.scale_rewards)[slots[:, 0], slots[:, 1], torch.arange(len(flat)) % G]
+    q0 = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
+    contexts = own if cfg.ta_anchor == "rephrased" else [q0[p] for p, _ in flat]
+    originals = rewards[:, 0]  # (P, G)
+    pooled = [rewards[p].nan_to_num(-1)[: len(qs)] for p, qs in enumerate(questions)]
+    metrics.update(sample_metrics(r, G, parsed, mask, finished), tokens=mask.sum().item(),
+                   frac_reward_zero_std=(originals.amax(1) == originals.amin(1)).float().mean().item(),
+                   frac_reward_zero_std_pooled=float(np.mean([(g.max() == g.min()).item() for g in pooled])),
+                   reward_original=originals.mean().item(),
+                   reward_rephrased=r[[j > 0 for _, j in flat]].mean().item() if any(j for _, j in flat) else math.nan)
+    return make_rows(contexts, ids, mask, advantages, tokenizer.pad_token_id), metrics
+
+
+ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
+
+# -----------------------------------------------------------------------------
+# Update: log-probs of the rows, μ clipped steps. The same code for every variant.
+
+
+def rows_logps(model, rows: Rows, temperature, device):
+    input_ids = torch.cat([rows.context_ids, rows.completion_ids], 1).to(device)
+    attention_mask = torch.cat([rows.context_mask, rows.completion_mask], 1).to(device)
+    return per_token_logps(model, input_ids, attention_mask, rows.completion_ids.shape[1], temperature)
+
+
+def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
+    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses are weighted
+    so that their sum is the loss of the whole batch under cfg.loss_type."""
+    metrics, B = {}, len(rows)
+    micro = [trim(rows.select(slice(i, i + cfg.micro_batch_size))) for i in range(0, B, cfg.micro_batch_size)]
+    tokens = [m.completion_mask.sum().item() for m in micro]
+    share = {"grpo": [len(m) / B for m in micro], "dr_grpo": [len(m) / B for m in micro],
+             "bnpo": [1 / len(micro)] * len(micro), "dapo": [t / max(sum(tokens), 1) for t in tokens]}[cfg.loss_type]
+    max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    with timed(metrics, "time/logps"), torch.no_grad():
+        # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the current ones
+        old = [rows_logps(model, m, cfg.temperature, device) for m in micro] if cfg.num_iterations > 1 else None
+        ref = [rows_logps(ref_model, m, cfg.temperature, device) for m in micro] if cfg.beta > 0 else None
+    totals, grad_norms = {}, []
+    with timed(metrics, "time/update"):
+        for _ in range(cfg.num_iterations):
+            for j, m in enumerate(micro):
+                logps = rows_logps(model, m, cfg.temperature, device)
+                loss, loss_metrics = policy_loss(
+                    logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
+                    ref_per_token_logps=ref[j] if ref else None,
+                    token_weights=None if m.token_weights is None else m.token_weights.to(device),
+                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
+                    loss_type=cfg.loss_type, max_completion_length=max_len)
+                (loss * share[j]).backward()
+                for key, value in dict(loss_metrics, loss=loss.item()).items():
+                    totals[key] = totals.get(key, 0.0) + value * share[j] / cfg.num_iterations
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    metrics.update(totals, grad_norm=float(np.mean(grad_norms)))
+    return metrics
+
+# -----------------------------------------------------------------------------
+# Eval: greedy accuracy and pass@k on the held-out set.
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict:
+    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
+    training temperature (pass@1 is the mean accuracy of those samples)."""
+    torch.manual_seed(seed)
+    n = cfg.eval_samples
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in rows]
+    answers = [row["answer"] for row in rows]
+    ids, mask, finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, greedy=True)
+    greedy, _ = score_batch(tokenizer, ids, mask, finished, answers)
+    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], cfg.max_new_tokens,
+                                 cfg.temperature, cfg.top_p)
+    correct, _ = score_batch(tokenizer, ids, mask, finished, [a for a in answers for _ in range(n)])
+    counts = correct.view(len(rows), n).sum(1).long().tolist()
+    return {"greedy": greedy.mean().item(),
+            **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in range(1, n + 1)}}
+
+# -----------------------------------------------------------------------------
+# Train loop and checkpoints.
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
+
+
+def load_model(path: str, device):
+    """Model and tokenizer from a local folder or the hub; left padding, a pad token, fp32 weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path}: cannot load a model and tokenizer there ({str(e).splitlines()[0]})") from None
+    if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.to(device), tokenizer
+
+
+def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config):
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "config": asdict(cfg)}, out / "state.pt")
+
+
+def train(cfg: Config) -> dict:
+    """Run GRPO (or a variant) as configured; returns the summary it also prints and saves."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    device = pick_device(cfg.device)
+    train_rows, test_rows = load_jsonl(cfg.data), load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
+    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
+        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    out = Path(cfg.out)
+    if cfg.resume and not (out / "state.pt").is_file():
+        raise ConfigError(f"--resume: no checkpoint in {out} ({out / 'state.pt'} is missing)")
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(str(out) if cfg.resume else cfg.model, device)
+    ref_model = None
+    if cfg.beta > 0:  # the frozen starting policy; not even loaded when beta = 0
+        ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1)))
+    start = 0
+    if cfg.resume:
+        state = torch.load(out / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = state["step"]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
+    write = lambda record: (log.write(json.dumps(record) + "\n"), log.flush())
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
+
+    t0 = time.time()
+    with autocast:
+        before = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+    write({"step": start, "eval": before})
+    step, timings = start, []
+    bar = tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True)
+    try:
+        for step in bar:
+            t_step = time.perf_counter()
+            rng = random.Random(cfg.seed * 1_000_003 + step)  # data and sampling depend on (seed, step) only,
+            torch.manual_seed(cfg.seed * 1_000_003 + step)    # so a resumed run continues the same stream
+            batch = rng.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
+            with autocast:
+                rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
+                metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
+            scheduler.step()
+            metrics["time/step"] = time.perf_counter() - t_step
+            metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
+            timings.append({k: v for k, v in metrics.items() if k.startswith("time/")})
+            write({"step": step + 1, "lr": scheduler.get_last_lr()[0], **metrics})
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", s=f"{metrics['time/step']:.2f}")
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                with autocast:
+                    write({"step": step + 1, "eval": evaluate(model, tokenizer, test_rows, cfg, eval_seed)})
+        step = cfg.steps
+    except KeyboardInterrupt:
+        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
+        sys.exit(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
+    bar.close()
+    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
+    with autocast:
+        after = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+    n = cfg.eval_samples
+    summary = {"variant": cfg.variant, "steps": step, "before": before, "after": after,
+               "wall_s": time.time() - t0, "time_per_step": {k: float(np.median([t[k] for t in timings]))
+                                                           for k in (timings[0] if timings else {})}}
+    write({"step": step, "eval": after, "summary": summary})
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if timings:
+        print("median seconds per step: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in summary["time_per_step"].items()))
+    print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
+          f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
+          f"pass@{n} {before[f'pass@{n}']:.3f} -> {after[f'pass@{n}']:.3f} | {summary['wall_s']:.0f} s")
+    return summary
+
+# -----------------------------------------------------------------------------
+# Main
+
+
+def main(argv=None):
+    try:
+        cfg = parse_args(argv)
+        return train(cfg)
+    except (ConfigError, DataError) as e:
+        sys.exit(f"grpo.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""Tests for grpo.py. Run: python -m pytest -q   (benchmarks: python -m pytest -q -m bench -s)"""
+
+import itertools
+import json
+import math
+import random
+from fractions import Fraction
+from math import comb
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+
+HERE = Path(__file__).resolve().parent
+TINY = HERE / "data" / "tiny"
+
+
+def run(*flags):
+    """Run grpo.main and return the message it stops with (None if it did not stop)."""
+    try:
+        grpo.main(list(flags))
+    except SystemExit as e:
+        return str(e.code)
+    return None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = grpo.load_model(str(TINY), torch.device("cpu"))
+    return model, tokenizer
+
+# -----------------------------------------------------------------------------
+# Advantages
+
+
+def test_group_advantages_worked_example():
+    adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 0]), 4)
+    # mean 0.25, unbiased std 0.5: 0.75 / 0.5001 and -0.25 / 0.5001
+    assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]) / 0.5001)
+    assert torch.allclose(adv, torch.tensor([1.4997, -0.4999, -0.4999, -0.4999]), atol=1e-4)
+
+
+def test_group_advantages_groups_scales_and_constant_groups():
+    r = torch.tensor([1.0, 0, 0.7, 0.7, 0.7, 0.7])
+    adv = grpo.group_advantages(r, 2)
+    assert torch.allclose(adv[:2], torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
+    assert torch.equal(adv[2:], torch.zeros(4))  # one value per group -> exactly 0, not noise / eps
+    batch = grpo.group_advantages(r, 2, scale="batch")
+    assert torch.allclose(batch[:2], torch.tensor([0.5, -0.5]) / (r.std() + 1e-4))
+    none = grpo.group_advantages(torch.tensor([3.0, 1.0]), 2, scale="none")
+    assert torch.equal(none, torch.tensor([1.0, -1.0]))
+
+
+def test_group_advantages_ignore_missing_rows():
+    r = torch.tensor([1.0, 0.0, math.nan, math.nan])
+    adv = grpo.group_advantages(r, 4)
+    assert torch.allclose(adv[:2], grpo.group_advantages(torch.tensor([1.0, 0.0]), 2))
+    assert adv[2:].isnan().all()
+
+# -----------------------------------------------------------------------------
+# Loss
+
+
+def per_token_case():
+    """Rows A (2 tokens) and B (4 tokens) whose per-token losses are 1 and 2 (ratio 1, A = -1 and -2)."""
+    logps = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    return logps, mask, torch.tensor([-1.0, -2.0])
+
+
+@pytest.mark.parametrize("loss_type,expected", [("grpo", 1.5), ("bnpo", 10 / 6), ("dapo", 10 / 6), ("dr_grpo", 0.625)])
+def test_loss_types(loss_type, expected):
+    logps, mask, adv = per_token_case()
+    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_ratio_one_and_no_clipping_at_mu_one():
+    torch.manual_seed(0)
+    logps = torch.randn(3, 5, requires_grad=True)
+    adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5)
+    loss, metrics = grpo.policy_loss(logps, logps.detach(), adv, mask, epsilon=0.2)
+    assert metrics["clip_low"] == 0 and metrics["clip_high"] == 0
+    loss.backward()
+    # ratio = 1, so d loss / d logp = -A / number of tokens (dapo)
+    assert torch.allclose(logps.grad, -adv[:, None].expand(3, 5) / 15)
+
+
+def test_clipping_and_clip_higher():
+    old = torch.zeros(1, 4)
+    logps = torch.log(torch.tensor([[0.7, 1.25, 1.35, 1.0]]))
+    mask = torch.ones(1, 4)
+    _, neg = grpo.policy_loss(logps, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    assert neg["clip_low"] == 0.25 and neg["clip_high"] == 0  # 0.7 < 0.8 with A < 0
+    _, pos = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    assert pos["clip_high"] == 0.5  # 1.25 and 1.35 > 1.2 with A > 0
+    _, higher = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.28)
+    assert higher["clip_high"] == 0.25  # only 1.35 > 1.28
+    loss, _ = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2, loss_type="dapo")
+    assert loss.item() == pytest.approx(-(0.7 + 1.2 + 1.2 + 1.0) / 4, abs=1e-6)
+
+
+def test_k3_kl_zero_at_reference_and_matches_formula():
+    logps = torch.tensor([[-1.0, -2.0]])
+    zero, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), torch.ones(1, 2), ref_per_token_logps=logps, beta=0.1)
+    assert zero.item() == 0 and m["kl"] == 0
+    ref = torch.tensor([[-1.5, -1.0]])
+    loss, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), torch.ones(1, 2), ref_per_token_logps=ref, beta=0.1)
+    d = ref - logps
+    kl = (d.exp() - d - 1).mean().item()
+    assert m["kl"] == pytest.approx(kl) and loss.item() == pytest.approx(0.1 * kl)
+
+
+def test_token_weights_scale_policy_and_kl_not_normaliser():
+    logps, mask, adv = per_token_case()
+    ref = logps.detach() - 0.5
+    weights = torch.tensor([[0.5, 1, 0, 0], [1, 0.25, 1, 1]])
+    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, ref_per_token_logps=ref, token_weights=weights,
+                               beta=0.1, loss_type="dapo")
+    k3 = math.exp(-0.5) + 0.5 - 1
+    per_token = torch.tensor([[1.0, 1, 0, 0], [2, 2, 2, 2]]) + 0.1 * k3
+    assert loss.item() == pytest.approx(((per_token * weights).sum() / 6).item(), abs=1e-6)
+
+# -----------------------------------------------------------------------------
+# Rewards and pass@k
+
+
+@pytest.mark.parametrize("text,reward,parsed", [
+    ("<think>x</think><answer>85</answer>", 1.0, True),
+    ("<answer>84</answer> then <answer>85</answer>", 1.0, True),    # the last answer counts
+    ("<answer>85</answer><answer>84</answer>", 0.0, True),
+    ("<answer> 8,5 </answer>", 1.0, True),                           # spaces and commas
+    ("<answer>+85.0</answer>", 1.0, True),                           # leading + and trailing .0
+    ("so \\boxed{85}", 1.0, True),
+    ("\\boxed{\\frac{170}{2}}", 1.0, True),                          # braces matched inside boxed
+    ("<answer>170/2</answer>", 1.0, True),
+    ("<answer>eighty-five</answer>", 0.0, False),                    # not a number
+    ("85", 0.0, False),                                              # no tags, no box
+    ("<answer>85", 0.0, False),                                      # unclosed tag
+    ("\\boxed{85", 0.0, False),                                      # unbalanced braces
+    ("<answer>__import__('os')</answer>", 0.0, False),               # never evaluated
+])
+def test_score(text, reward, parsed):
+    assert grpo.score(text, "85", finished=True) == (reward, parsed)
+
+
+def test_score_negatives_fractions_and_unfinished():
+    assert grpo.score("<answer>-3/4</answer>", "-0.75", True) == (1.0, True)
+    assert grpo.score("<answer>-1,000</answer>", "-1000", True) == (1.0, True)
+    assert grpo.score("<answer>1/0</answer>", "1", True) == (0.0, False)
+    assert grpo.score("<answer>85</answer>", "85", finished=False) == (0.0, True)  # truncated: no reward
+    assert grpo.parse_number(" 1,234.50 ") == Fraction(2469, 2)
+    shaped = "<think>a</think><answer>1</answer>"
+    assert grpo.score(shaped, "2", True, format_reward=0.1) == (0.1, True)
+    assert grpo.score("<answer>1</answer>", "2", True, format_reward=0.1) == (0.0, True)
+
+
+def test_pass_at_k_matches_brute_force():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert grpo.pass_at_k(n, c, k) == pytest.approx(brute)
+                assert grpo.pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+
+# -----------------------------------------------------------------------------
+# Sampler masks and log-probs
+
+
+def test_completion_mask_with_pad_equal_to_eos():
+    eos = 7  # and pad == 7: generate pads finished rows with it
+    ids = torch.tensor([[3, 4, 7, 7, 7], [3, 7, 7, 7, 7], [3, 4, 5, 6, 4]])
+    mask, finished = grpo.completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]  # EOS itself is inside
+    assert finished.tolist() == [True, True, False]
+
+
+def test_completion_mask_ends_at_stop_string(tiny):
+    _, tok = tiny
+    rows = ["<think>1+2=3</think>", "<think>1+</think>", "<think>12"]
+    ids = [tok(r, add_special_tokens=False).input_ids for r in rows]
+    C = max(map(len, ids)) + 2
+    ids = torch.tensor([i + [tok.eos_token_id] * (C - len(i)) for i in ids])  # pad == eos, as Qwen
+    mask, finished = grpo.completion_mask(ids, [tok.eos_token_id], tok, ["</think>"])
+    lengths = [len(tok(r, add_special_tokens=False).input_ids) for r in rows]
+    assert mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the stop token, no EOS after it
+    assert finished.tolist() == [True, True, True]
+
+
+def test_logps_of_a_row_alone_equal_logps_inside_a_left_padded_batch(tiny):
+    model, tok = tiny
+    model.eval()
+    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "what is 47 plus 38?"]]
+    completion = torch.tensor([tok("<think>2+4=6 c0</think>", add_special_tokens=False).input_ids] * 2)
+    ctx, cmask = grpo.left_pad(prompts, tok.pad_token_id)
+    batch = grpo.Rows(ctx, cmask, completion, torch.ones_like(completion), torch.zeros(2))
+    with torch.no_grad():
+        together = grpo.rows_logps(model, batch, 0.7, "cpu")
+        for i in range(2):
+            alone = grpo.rows_logps(model, grpo.trim(batch.select(slice(i, i + 1))), 0.7, "cpu")
+            assert torch.allclose(alone, together[i:i + 1], atol=1e-5)
+        # and they are the log-softmax of logits / temperature
+        ids = torch.cat([torch.tensor(prompts[1]), completion[1]])[None]
+        logits = model(ids).logits[0, len(prompts[1]) - 1:-1] / 0.7
+        naive = logits.log_softmax(-1).gather(-1, completion[1][:, None]).squeeze(-1)
+        assert torch.allclose(together[1], naive, atol=1e-5)
+
+
+def test_sampler_is_seeded_and_masks_what_it_generated(tiny):
+    model, tok = tiny
+    prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)] * 6
+    torch.manual_seed(3)
+    a = grpo.sample(model, tok, prompts, 32)
+    torch.manual_seed(3)
+    b = grpo.sample(model, tok, prompts, 32)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    ids, mask, finished = a
+    for row, m, f in zip(ids, mask, finished):
+        n = int(m.sum())
+        assert (row[n - 1] == tok.eos_token_id) == bool(f)
+        assert tok.eos_token_id not in row[:n - 1].tolist()
+
+# -----------------------------------------------------------------------------
+# Data, config and bad input
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": \n', ":2: not valid JSON"),
+    ('{"question": "1+1=", "answer": "2"}\n{"answer": "2"}\n', ":2: field 'question' is missing or empty"),
+    ('{"question": "1+1=", "answer": " "}\n', ":1: field 'answer' is missing or empty"),
+    ('{"question": "1+1=", "answer": "2", "rephrasings": ["x", ""]}\n', ":1: field 'rephrasings' must be"),
+    ('[1, 2]\n', ":1: expected a JSON object"),
+    ('\n', ": no rows"),
+])
+def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
+    path = write(tmp_path, "bad.jsonl", text)
+    stop = run("--data", path, "--out", str(tmp_path / "out"))
+    assert stop.startswith("grpo.py: error: ") and f"{path}{message}" in stop and "\n" not in stop
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--variant", "ppo"], "argument --variant: invalid choice: 'ppo'"),
+    (["--num-generations", "1"], "--num-generations must be >= 2, got 1"),
+    (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: cannot load"),
+    (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: no such data file"),
+    (["--resume", "--out", "/nonexistent/run"], "--resume: no checkpoint in /nonexistent/run"),
+])
+def test_bad_flags_stop_with_one_line(flags, message):
+    stop = run(*flags)
+    assert message in stop and "\n" not in stop
+
+
+def test_shipped_data_is_valid_and_held_out():
+    train, test = grpo.load_jsonl(HERE / "data" / "train.jsonl"), grpo.load_jsonl(HERE / "data" / "test.jsonl")
+    numbers = lambda q: frozenset(int(x) for x in __import__("re").findall(r"\d+", q))
+    assert not {numbers(r["question"]) for r in train} & {numbers(r["question"]) for r in test}
+    for row in train[:200] + test:
+        assert len(row["rephrasings"]) == 7 and row["question"] not in row["rephrasings"]
+        a, b = sorted(numbers(row["question"])) * (2 if len(numbers(row["question"])) == 1 else 1)
+        assert int(row["answer"]) == a + b
+
+
+def test_tiny_tokenizer_and_model_reload(tiny):
+    model, tok = tiny
+    assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
+    ids = tok("<think>7+8=15 c1</think><answer>85</answer>", add_special_tokens=False).input_ids
+    assert len(ids) == 23 and tok.decode(ids) == "<think>7+8=15 c1</think><answer>85</answer>"
+    p = grpo.prompt_ids(tok, "add 47 to 38", grpo.SYSTEM_PROMPT)
+    assert tok.decode(p) == f"<|system|>{grpo.SYSTEM_PROMPT}<|user|>add 47 to 38<|assistant|>"
+    assert 400_000 < sum(x.numel() for x in model.parameters()) < 600_000
+    assert model.config.model_type == "qwen2"
+
+# -----------------------------------------------------------------------------
+# End to end
+
+
+def test_short_run_changes_weights_writes_metrics_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    flags = ["--out", str(out), "--prompts-per-step", "4", "--num-generations", "4", "--eval-limit", "8",
+             "--eval-samples", "2", "--warmup-steps", "0", "--lr", "1e-3"]
+    summary = grpo.main(flags + ["--steps", "3", "--num-iterations", "2", "--beta", "0.05"])
+    start, after = load_file(TINY / "model.safetensors"), load_file(out / "model.safetensors")
+    assert any(not torch.equal(start[k], after[k]) for k in start)
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [l for l in lines if "reward" in l]
+    assert [l["step"] for l in steps] == [1, 2, 3]
+    for key in ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "completion_length_max",
+                "truncated", "unparseable", "kl", "clip_low", "clip_high", "grad_norm", "tokens_per_s", "time/step"]:
+        assert all(key in l for l in steps), key
+    assert summary["steps"] == 3 and set(summary["after"]) >= {"greedy", "pass@1", "pass@2"}
+    summary = grpo.main(flags + ["--steps", "4", "--resume"])
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "reward" in l] == [1, 2, 3, 4] and summary["steps"] == 4
+
+
+def test_seeded_run_raises_held_out_accuracy(tmp_path):
+    summary = grpo.main(["--out", str(tmp_path / "run"), "--steps", "60", "--eval-limit", "100",
+                         "--eval-samples", "4", "--seed", "1"])
+    gain = summary["after"]["pass@1"] - summary["before"]["pass@1"]
+    assert gain > 0.15, summary
+
+# -----------------------------------------------------------------------------
+# λ-GRPO
+
+
+def tokens(words):
+    """Token strings -> (B, T) ids, right-padded with -1, and the completion mask."""
+    vocab = {c: i for i, c in enumerate(sorted(set("".join(words))))}
+    T = max(map(len, words))
+    ids = torch.tensor([[vocab[c] for c in w] + [0] * (T - len(w)) for w in words])
+    mask = torch.tensor([[1] * len(w) + [0] * (T - len(w)) for w in words])
+    return ids, mask
+
+
+def test_lambda_weights_project_page_example():
+    group = ["ABCD", "ABEFHI", "JKLM", "JKLNQST", "JKLNQU", "VWYZ"]
+    ids, mask = tokens(group)
+    w = grpo.lambda_weights(ids, mask, 6)
+    expected = {"ABCD": [1/2, 1/2, 1, 1], "ABEFHI": [1/2, 1/2, 1, 1, 1, 1], "JKLM": [1/3, 1/3, 1/3, 1],
+                "JKLNQST": [1/3, 1/3, 1/3, 1/2, 1/2, 1, 1], "JKLNQU": [1/3, 1/3, 1/3, 1/2, 1/2, 1], "VWYZ": [1] * 4}
+    for i, word in enumerate(group):
+        assert w[i].tolist() == pytest.approx(expected[word] + [0] * (7 - len(word)))
+
+
+def test_lambda_weights_count_duplicates():
+    ids, mask = tokens(["ABCD", "ABCD", "ABXY"])
+    expected = torch.tensor([[1/3, 1/3, 1/2, 1/2], [1/3, 1/3, 1/2, 1/2], [1/3, 1/3, 1, 1]])
+    assert torch.allclose(grpo.lambda_weights(ids, mask, 3), expected)
+
+
+def test_lambda_weights_padding_masks_and_groups():
+    # row 1 is row 0 plus padding; the padding id equals row 0's next token: it must not join its prefix
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    w = grpo.lambda_weights(ids, mask, 2)  # groups {0, 1} and {2, 3} never mix
+    assert torch.equal(w, torch.tensor([[1/2, 1/2, 1], [1/2, 1/2, 0], [1/2, 1/2, 1/2], [1/2, 1/2, 1/2]]))
+    hole = torch.tensor([[1, 0, 1], [1, 1, 1]])  # a masked token ends the shared prefix for good
+    assert torch.equal(grpo.lambda_weights(ids[:2], hole, 2), torch.tensor([[1/2, 0, 1], [1/2, 1, 1]]))
+
+
+def trie_weights(ids, mask, group_size):
+    """Slow, obviously correct reference: insert every completion into a trie, count paths per node."""
+    B, T = ids.shape
+    out = torch.zeros(B, T)
+    for g in range(0, B, group_size):
+        counts = {}
+        for i in range(g, g + group_size):
+            for t in range(T):
+                if not all(mask[i, :t + 1]):
+                    break
+                key = tuple(ids[i, :t + 1].tolist())
+                counts[key] = counts.get(key, 0) + 1
+        for i in range(g, g + group_size):
+            for t in range(T):
+                if not all(mask[i, :t + 1]):
+                    break
+                out[i, t] = 1 / counts[tuple(ids[i, :t + 1].tolist())]
+    return out
+
+
+@pytest.mark.parametrize("group_size,T,vocab", [(2, 5, 2), (4, 8, 2), (6, 6, 3), (8, 12, 2), (16, 4, 2)])
+def test_lambda_weights_match_a_trie(group_size, T, vocab):
+    g = torch.Generator().manual_seed(group_size * 100 + T)
+    for _ in range(5):
+        B = group_size * 3
+        ids = torch.randint(0, vocab, (B, T), generator=g)
+        lengths = torch.randint(1, T + 1, (B,), generator=g)
+        mask = (torch.arange(T)[None] < lengths[:, None]).long()
+        assert torch.equal(grpo.lambda_weights(ids, mask, group_size), trie_weights(ids, mask, group_size))
+
+
+def shared_prefix_group(g, G=6, T=6, vocab=2):
+    ids = torch.randint(0, vocab, (G, T), generator=g)
+    lengths = torch.randint(2, T + 1, (G,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    rewards = torch.rand(G, generator=g, dtype=torch.float64).round()
+    rewards[0], rewards[1] = 0.0, 1.0  # not a zero-variance group
+    return ids, mask, rewards
+
+
+def test_lambda_equivalence_theorem():
+    """GRPO's loss equals the 'PRM-aware' loss with per-token process-step advantages
+    (mean reward over λ(i,t) - group mean) / group std; with λ weights it equals the per-node form."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids, mask, rewards = shared_prefix_group(g)
+        G, T = ids.shape
+        logps = torch.randn(G, T, generator=g, dtype=torch.float64)
+        ref = logps + 0.3 * torch.randn(G, T, generator=g, dtype=torch.float64)
+        # tokens of one trie node share context and token, hence share their log-probs
+        nodes = {}
+        for i in range(G):
+            for t in range(int(mask[i].sum())):
+                nodes.setdefault(tuple(ids[i, :t + 1].tolist()), []).append((i, t))
+        for members in nodes.values():
+            for i, t in members:
+                logps[i, t], ref[i, t] = logps[members[0]], ref[members[0]]
+        mean, std = rewards.mean(), rewards.std()
+        adv = (rewards - mean) / std
+        step_adv = torch.zeros(G, T, dtype=torch.float64)
+        for members in nodes.values():
+            step_adv[tuple(zip(*members))] = (rewards[[i for i, _ in members]].mean() - mean) / std
+        kw = dict(ref_per_token_logps=ref, beta=0.04, loss_type="dapo")
+        grpo_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, **kw)
+        prm_loss, _ = grpo.policy_loss(logps, logps.detach(), step_adv, mask, **kw)
+        assert grpo_loss.item() == pytest.approx(prm_loss.item(), abs=1e-6)
+        weights = grpo.lambda_weights(ids, mask, G).double()
+        lam_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, token_weights=weights, **kw)
+        # per-node form: every trie node once, with its mean advantage, over the raw token count
+        d = ref - logps
+        kl = 0.04 * (d.exp() - d - 1)
+        node_loss = sum(-step_adv[members[0]] + kl[members[0]] for members in nodes.values()) / mask.sum()
+        assert lam_loss.item() == pytest.approx(node_loss.item(), abs=1e-6)
+
+
+def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0, 0, 1, 0)):
+    """The paper's synthetic tree with a tabular policy (one pair of logits per trie node, plain SGD):
+    emit L/R `depth` times; the target path gets 1, other paths sharing its first n tokens get r_neg,
+    the rest 0.7. Returns how often the target is sampled over the last 50 steps."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(2 ** depth - 1, 2, requires_grad=True)  # node of prefix p at depth d: 2^d - 1 + p
+    opt = torch.optim.SGD([logits], lr=lr)
+    target_t, hits = torch.tensor(target), []
+    for _ in range(steps):
+        with torch.no_grad():
+            node, paths = torch.zeros(G, dtype=torch.long), []
+            for d in range(depth):
+                a = torch.multinomial(logits[node].softmax(-1), 1, generator=g).squeeze(1)
+                paths.append(a)
+                node = 2 * node + 1 + a
+            paths = torch.stack(paths, 1)  # (G, depth)
+        prefix = torch.zeros(G, dtype=torch.long)
+        logps = []
+        for d in range(depth):
+            logps.append(logits[2 ** d - 1 + prefix].log_softmax(-1).gather(1, paths[:, d:d + 1]).squeeze(1))
+            prefix = 2 * prefix + paths[:, d]
+        logps = torch.stack(logps, 1)
+        is_target = (paths == target_t).all(1)
+        near = (paths[:, :n] == target_t[:n]).all(1)
+        rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
+        mask = torch.ones(G, depth)
+        weights = grpo.lambda_weights(paths, mask, G) if lam else None
+        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, G), mask,
+                                   token_weights=weights, loss_type="dapo")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hits.append(is_target.float().mean().item())
+    return sum(hits[-50:]) / 50
+
+
+TREE_SETTINGS = [(1, -0.5), (1, -1.0), (1, -1.5), (2, -0.5), (2, -1.0), (2, -1.5)]
+
+
+def test_lambda_beats_grpo_on_the_binary_tree():
+    """Fast version of the paper's Table 1: 2 seeds instead of 5."""
+    grpo_rate = [sum(binary_tree(n, r, False, s) for s in range(2)) / 2 for n, r in TREE_SETTINGS]
+    lam_rate = [sum(binary_tree(n, r, True, s) for s in range(2)) / 2 for n, r in TREE_SETTINGS]
+    assert sum(lam_rate) / 6 > sum(grpo_rate) / 6 + 0.15, (grpo_rate, lam_rate)
+
+
+@pytest.mark.bench
+def test_bench_binary_tree_table(request):
+    """python -m pytest -q -m bench -k tree -s   (the paper's scale: 5 seeds, 250 steps, G = 16)"""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    paper = {(1, -0.5): (.3995, .5663), (1, -1.0): (.0000, .7535), (1, -1.5): (.2000, .4463),
+             (2, -0.5): (.1980, .4292), (2, -1.0): (.0488, .3612), (2, -1.5): (.0000, .3820)}
+    print("\n| n | r_neg | GRPO (ours) | λ-GRPO (ours) | GRPO (paper) | λ-GRPO (paper) |\n|---|---|---|---|---|---|")
+    for n, r in TREE_SETTINGS:
+        ours = [sum(binary_tree(n, r, lam, s) for s in range(5)) / 5 for lam in (False, True)]
+        print(f"| {n} | {r} | {ours[0]:.3f} | {ours[1]:.3f} | {paper[n, r][0]:.3f} | {paper[n, r][1]:.3f} |")
