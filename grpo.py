@@ -56,7 +56,7 @@ import torch
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
-SYSTEM_PROMPT = "think in <think></think>, then answer in <answer></answer>."
+SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
 
 # -----------------------------------------------------------------------------
 # Config: one dataclass of defaults; every field is also a command-line flag.
@@ -611,6 +611,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     keep = closed.nonzero().squeeze(1).tolist()
     contexts = [prompts[k] + th_ids[k][th_mask[k].bool()].tolist() for k in keep for _ in range(M)]
     rewards = torch.zeros(len(prompts), M)  # (P*K, M): unclosed thoughts keep 0
+    pad = tokenizer.pad_token_id
+    metrics.update(tokens=th_mask.sum().item(), answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
     if keep:
         with timed(metrics, "time/sample"):
             ans_ids, ans_mask, ans_finished = sample(model, tokenizer, contexts, cfg.max_answer_tokens,
@@ -620,21 +622,18 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
             r, parsed = score_batch(tokenizer, ans_ids, ans_mask, ans_finished, answers, cfg.format_reward,
                                     prefixes=[thoughts[k] for k in keep for _ in range(M)])
             rewards[keep] = r.view(-1, M)
+        metrics.update(tokens=metrics["tokens"] + ans_mask.sum().item(), answer_reward=r.mean().item(),
+                       answer_length=ans_mask.sum(1).float().mean().item(),
+                       truncated=1 - ans_finished.float().mean().item(), unparseable=1 - parsed.float().mean().item())
     thought_adv, answer_adv = ma_advantages(rewards.view(len(batch), K, M), cfg.scale_rewards)
-    pad = tokenizer.pad_token_id
     parts = [make_rows(prompts, th_ids, th_mask, thought_adv.reshape(-1), pad)]
     if keep:
         parts.append(make_rows(contexts, ans_ids, ans_mask, answer_adv.reshape(-1, M)[keep].reshape(-1), pad))
-    values = rewards.view(len(batch), K, M).mean(-1)
-    metrics.update(
-        reward=rewards.mean().item(), reward_std=rewards.std().item(),
-        thought_reward=values.mean().item(), answer_reward=r.mean().item() if keep else 0.0,
-        frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
-        unclosed_thoughts=1 - closed.float().mean().item(), thought_length=th_mask.sum(1).float().mean().item(),
-        answer_length=ans_mask.sum(1).float().mean().item() if keep else 0.0,
-        truncated=1 - ans_finished.float().mean().item() if keep else 1.0,
-        unparseable=1 - parsed.float().mean().item() if keep else 1.0,
-        tokens=th_mask.sum().item() + (ans_mask.sum().item() if keep else 0))
+    values = rewards.view(len(batch), K, M).mean(-1)  # V(th_k), (P, K)
+    metrics.update(reward=rewards.mean().item(), reward_std=rewards.std().item(), thought_reward=values.mean().item(),
+                   frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
+                   unclosed_thoughts=1 - closed.float().mean().item(),
+                   thought_length=th_mask.sum(1).float().mean().item())
     return cat_rows(parts, pad), metrics
 
 
@@ -733,9 +732,10 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict
     n = cfg.eval_samples
     prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in rows]
     answers = [row["answer"] for row in rows]
-    ids, mask, finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, greedy=True)
+    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: thought + answer
+    ids, mask, finished = sample(model, tokenizer, prompts, limit, greedy=True)
     greedy, _ = score_batch(tokenizer, ids, mask, finished, answers)
-    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], cfg.max_new_tokens,
+    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], limit,
                                  cfg.temperature, cfg.top_p)
     correct, _ = score_batch(tokenizer, ids, mask, finished, [a for a in answers for _ in range(n)])
     counts = correct.view(len(rows), n).sum(1).long().tolist()

@@ -266,17 +266,19 @@ def test_shipped_data_is_valid_and_held_out():
     train, test = grpo.load_jsonl(HERE / "data" / "train.jsonl"), grpo.load_jsonl(HERE / "data" / "test.jsonl")
     numbers = lambda q: frozenset(int(x) for x in __import__("re").findall(r"\d+", q))
     assert not {numbers(r["question"]) for r in train} & {numbers(r["question"]) for r in test}
-    for row in train[:200] + test:
-        assert len(row["rephrasings"]) == 7 and row["question"] not in row["rephrasings"]
+    for row in train + test:
         a, b = sorted(numbers(row["question"])) * (2 if len(numbers(row["question"])) == 1 else 1)
         assert int(row["answer"]) == a + b
+        forms = [row["question"]] + row["rephrasings"]
+        assert len(set(forms)) == len(forms) == (4 if a == b else 8)
+        assert all(sorted(numbers(f)) == sorted({a, b}) for f in forms)
 
 
 def test_tiny_tokenizer_and_model_reload(tiny):
     model, tok = tiny
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
     ids = tok("<think>7+8=15 c1</think><answer>85</answer>", add_special_tokens=False).input_ids
-    assert len(ids) == 23 and tok.decode(ids) == "<think>7+8=15 c1</think><answer>85</answer>"
+    assert len(ids) == 15 and tok.decode(ids) == "<think>7+8=15 c1</think><answer>85</answer>"
     p = grpo.prompt_ids(tok, "add 47 to 38", grpo.SYSTEM_PROMPT)
     assert tok.decode(p) == f"<|system|>{grpo.SYSTEM_PROMPT}<|user|>add 47 to 38<|assistant|>"
     assert 400_000 < sum(x.numel() for x in model.parameters()) < 600_000
@@ -482,3 +484,210 @@ def test_bench_binary_tree_table(request):
     for n, r in TREE_SETTINGS:
         ours = [sum(binary_tree(n, r, lam, s) for s in range(5)) / 5 for lam in (False, True)]
         print(f"| {n} | {r} | {ours[0]:.3f} | {ours[1]:.3f} | {paper[n, r][0]:.3f} | {paper[n, r][1]:.3f} |")
+
+# -----------------------------------------------------------------------------
+# GRPO-MA
+
+
+def test_ma_advantages_worked_example():
+    # thought 0: answers all right; thought 1: half; thought 2: none
+    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 1], [1, 0], [0, 0]]]))
+    # V = [1, .5, 0]: mean .5, unbiased std .5
+    assert torch.allclose(thought, torch.tensor([[0.5, 0, -0.5]]) / 0.5001)
+    # all six answers: mean .5, unbiased std sqrt(.3); thought 0's equal answers still get a positive advantage
+    s = math.sqrt(0.3) + 1e-4
+    assert torch.allclose(answer, torch.tensor([[[0.5, 0.5], [0.5, -0.5], [-0.5, -0.5]]]) / s)
+    # every thought has the same value: no thought signal, but the answers still differ
+    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 0], [0, 1]]]))
+    assert torch.equal(thought, torch.zeros(1, 2))
+    assert torch.allclose(answer, torch.tensor([[[0.5, -0.5], [-0.5, 0.5]]]) / (math.sqrt(1 / 3) + 1e-4))
+
+
+def test_ma_with_one_answer_is_grpo():
+    r = torch.tensor([[1.0], [0], [1], [1], [0], [0], [0], [0]]).view(2, 4, 1)
+    thought, answer = grpo.ma_advantages(r)
+    assert torch.equal(thought.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
+    assert torch.equal(answer.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
+
+
+def unpad(ids, mask):
+    return ids[mask.bool()].tolist()
+
+
+def test_ma_rows_carry_thought_and_answer_advantages(tiny):
+    model, tok = tiny
+    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=24)
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
+    torch.manual_seed(0)
+    rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
+    P, K, M = 3, 3, 2
+    prompts = [grpo.prompt_ids(tok, row["question"], cfg.system_prompt) for row in batch]
+    thoughts = [unpad(rows.completion_ids[k], rows.completion_mask[k]) for k in range(P * K)]
+    for k in range(P * K):  # thought rows: context = the prompt
+        assert unpad(rows.context_ids[k], rows.context_mask[k]) == prompts[k // K]
+    closed = [k for k in range(P * K) if tok.convert_tokens_to_ids("</think>") == thoughts[k][-1]]
+    assert len(rows) == P * K + M * len(closed) and metrics["unclosed_thoughts"] == 1 - len(closed) / (P * K)
+    rewards = torch.zeros(P * K, M)
+    for a, k in enumerate(k for k in closed for _ in range(M)):  # answer rows: context = prompt + thought
+        row = P * K + a
+        assert unpad(rows.context_ids[row], rows.context_mask[row]) == prompts[k // K] + thoughts[k]
+        text = tok.decode(thoughts[k] + unpad(rows.completion_ids[row], rows.completion_mask[row]),
+                          skip_special_tokens=True)
+        finished = rows.completion_ids[row][int(rows.completion_mask[row].sum()) - 1] == tok.eos_token_id
+        rewards[k, a % M] = grpo.score(text, batch[k // K]["answer"], bool(finished))[0]
+    thought_adv, answer_adv = grpo.ma_advantages(rewards.view(P, K, M))
+    assert torch.allclose(rows.advantages[:P * K], thought_adv.reshape(-1))
+    assert torch.allclose(rows.advantages[P * K:], answer_adv.reshape(-1, M)[closed].reshape(-1))
+
+
+def test_ma_thought_advantage_variance_falls_as_one_over_m_with_a_floor_in_k():
+    """The paper's claim, by Monte Carlo: answers right with fixed per-thought probabilities p_k; the
+    variance (across draws) of the estimated thought advantage. At M = 1, 2 the noise is as large as the
+    spread of the true values and the normalisation bounds the advantage, so the fall is slower than 1/M;
+    from M = 4 on it approaches the leading-order 1/M (ratio 2 per doubling)."""
+    g = torch.Generator().manual_seed(0)
+
+    def variance(K, M, trials=4000):
+        p = torch.linspace(0.05, 0.95, K)
+        r = (torch.rand(trials, K, M, generator=g) < p[None, :, None]).float()
+        thought, _ = grpo.ma_advantages(r)
+        return thought.var(0).mean().item()  # across draws, averaged over the thoughts
+
+    by_m = [variance(8, M) for M in (1, 2, 4, 8, 16, 32)]
+    ratios = [a / b for a, b in zip(by_m, by_m[1:])]
+    assert all(1.2 < x < 2.6 for x in ratios), by_m
+    assert all(1.6 < x < 2.4 for x in ratios[2:]), by_m  # M = 4 -> 8 -> 16 -> 32: about 1/M
+    by_k = [variance(K, 4) for K in (8, 16, 32, 64)]
+    assert min(by_k) > 0.15 and by_k[-1] > 0.8 * by_k[-2], by_k  # more thoughts do not drive it to 0
+
+
+# -----------------------------------------------------------------------------
+# TA-GRPO
+
+
+def test_ta_advantages_worked_example_and_pooling():
+    r = torch.tensor([[[1.0, 1], [0, 1]]])  # q0 all correct, the rephrasing mixed
+    adv = grpo.ta_advantages(r)
+    assert torch.allclose(adv, torch.tensor([[[0.25, 0.25], [-0.75, 0.25]]]) / 0.5001)
+    assert torch.equal(grpo.group_advantages(r[0, 0], 2), torch.zeros(2))  # plain GRPO: no signal
+    ragged = torch.tensor([[[1.0, 1], [0, 1]], [[1.0, 0], [math.nan, math.nan]]])
+    out = grpo.ta_advantages(ragged)
+    assert torch.allclose(out[0], adv[0]) and out[1, 1].isnan().all()
+    assert torch.allclose(out[1, 0], grpo.group_advantages(torch.tensor([1.0, 0]), 2))
+
+
+@pytest.mark.parametrize("anchor", ["original", "rephrased"])
+def test_ta_contexts_are_anchored(tiny, anchor):
+    model, tok = tiny
+    cfg = grpo.Config(variant="ta", num_generations=2, num_rephrasings=2, ta_anchor=anchor)
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]
+    batch.append(dict(batch[0], rephrasings=batch[0]["rephrasings"][:1]))  # fewer than N: a ragged group
+    torch.manual_seed(0)
+    rows, metrics = grpo.rollout_ta(model, tok, cfg, batch, random.Random(7))
+    replay = random.Random(7)
+    questions = [[r["question"]] + replay.sample(r["rephrasings"], min(2, len(r["rephrasings"]))) for r in batch]
+    assert len(rows) == 2 * sum(map(len, questions)) == 2 * (3 + 3 + 2)
+    expected = [questions[p][0 if anchor == "original" else j] for p in range(3) for j in range(len(questions[p]))
+                for _ in range(2)]
+    for i, question in enumerate(expected):
+        assert unpad(rows.context_ids[i], rows.context_mask[i]) == grpo.prompt_ids(tok, question, cfg.system_prompt)
+    assert {"frac_reward_zero_std", "frac_reward_zero_std_pooled", "reward_original", "reward_rephrased"} <= set(metrics)
+    assert not rows.advantages.isnan().any()
+
+
+def test_rephrase_filter():
+    import data.prepare as prepare
+    kept, dropped = prepare.filter_rephrasings("add 47 to 38", [
+        "what is 47 plus 38?",      # kept
+        "what is 47 plus 39?",      # a changed number
+        "what is 47 plus a few?",   # a dropped number
+        "What is 47  plus 38?",     # a duplicate (case and spacing ignored)
+        "Add 47 to 38",             # the question itself
+        "  ",                       # empty
+        "38 and 47: their sum?",    # kept (order of numbers may change)
+    ])
+    assert kept == ["what is 47 plus 38?", "38 and 47: their sum?"]
+    assert dropped == {"numbers changed": 2, "duplicate": 1, "same as the question": 1, "empty": 1}
+    assert prepare.split_numbered("1. foo\n2) bar 3\n\n- baz") == ["foo", "bar 3", "baz"]
+
+
+def test_rephrase_command_runs_with_the_tiny_model(tmp_path, capsys):
+    import data.prepare as prepare
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"question": "12+34=", "answer": "46"}\n{"question": "add 5 to 7", "answer": "12"}\n')
+    prepare.main(["rephrase", "--model", str(TINY), "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+                  "-n", "2", "--max-new-tokens", "24", "--device", "cpu"])
+    rows = [json.loads(l) for l in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in rows] == ["12+34=", "add 5 to 7"] and all(len(r["rephrasings"]) <= 2 for r in rows)
+    assert "kept" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+def test_bench_lambda_weights_cost(request, tiny):
+    """python -m pytest -q -m bench -k lambda_weights_cost -s: lambda_weights against the update of a step
+    (forward, backward and AdamW over the rows; sampling would only make the step longer)."""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    import time
+    model, tok = tiny
+    g = torch.Generator().manual_seed(0)
+    B, T, G = 128, 256, 8
+    base = torch.randint(4, 60, (B // G, 1, T), generator=g).expand(B // G, G, T).reshape(B, T).clone()
+    fork = torch.randint(0, T, (B,), generator=g)  # each completion leaves its group's common text at `fork`
+    ids = torch.where(torch.arange(T)[None] < fork[:, None], base, torch.randint(4, 60, (B, T), generator=g))
+    mask = torch.ones(B, T, dtype=torch.long)
+    ctx, cmask = grpo.left_pad([grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)] * B, tok.pad_token_id)
+    rows = grpo.Rows(ctx, cmask, ids, mask, torch.randn(B))
+    cfg = grpo.Config(max_new_tokens=T)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    lam, step = [], []
+    for _ in range(5):
+        t = time.perf_counter()
+        rows.token_weights = grpo.lambda_weights(ids, mask, G)
+        lam.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        grpo.update(model, None, opt, rows, cfg, "cpu")
+        step.append(time.perf_counter() - t)
+    lam_s, step_s = sorted(lam)[2], sorted(step)[2]
+    print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
+          f"share {100 * lam_s / (lam_s + step_s):.2f}%")
+
+# -----------------------------------------------------------------------------
+# Both model families, with pad == eos as real tokenizers have it
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def pad_is_eos_model(request, tmp_path_factory):
+    import data.prepare as prepare
+    tok = prepare.build_tokenizer()
+    tok.pad_token = tok.eos_token
+    torch.manual_seed(0)
+    model = prepare.build_model(tok, arch=request.param, hidden=32)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_eos_stays_in_the_mask_when_pad_is_eos(pad_is_eos_model):
+    model, tok = grpo.load_model(str(pad_is_eos_model), torch.device("cpu"))
+    assert tok.pad_token_id == tok.eos_token_id
+    with torch.no_grad():  # make EOS likely so that many rows end before the limit
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 0
+        model.get_output_embeddings().weight[tok.eos_token_id] += model.get_output_embeddings().weight.mean(0) + 0.05
+    torch.manual_seed(0)
+    ids, mask, finished = grpo.sample(model, tok, [grpo.prompt_ids(tok, "12+34=", "")] * 64, 12)
+    assert 0 < finished.sum() < 64
+    for row, m, f in zip(ids, mask, finished):
+        n = int(m.sum())
+        assert row[:n].tolist().count(tok.eos_token_id) == int(f) and (row[n - 1] == tok.eos_token_id) == bool(f)
+
+
+@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
+def test_every_variant_runs_a_step_on_both_families(pad_is_eos_model, variant, tmp_path):
+    summary = grpo.main(["--model", str(pad_is_eos_model), "--variant", variant, "--steps", "1", "--out",
+                         str(tmp_path), "--prompts-per-step", "2", "--num-generations", "2", "--num-thoughts", "2",
+                         "--num-answers", "2", "--num-rephrasings", "1", "--max-new-tokens", "8",
+                         "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1"])
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])

@@ -8,8 +8,8 @@ The task: add two numbers from 10 to 99 and show the column sum, e.g. for "47+38
 
     <think>7+8=15 c1 4+3+1=8</think><answer>85</answer>
 
-Each question is asked in one of 8 problem-equivalent ways (4 wordings x 2 operand orders); the other 7 are
-its "rephrasings" (for TA-GRPO). 200 unordered pairs are held out (both orders) for test.jsonl.
+Each question is asked in one of 8 problem-equivalent ways (4 wordings x 2 operand orders); the other 7 (3 when
+both numbers are equal) are its "rephrasings" (for TA-GRPO). 200 unordered pairs are held out (both orders) for test.jsonl.
 
 The tiny model is a ~0.5M-parameter Qwen2 with a character-level tokenizer, warm-started by a short supervised
 run on deliberately noisy worked solutions: with probability THOUGHT_NOISE[k] the thought has one wrong step
@@ -51,7 +51,8 @@ CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=()<>?.,:;!'\"\n")
 
 
 def phrasings(a: int, b: int) -> list[str]:
-    return [t.format(a=x, b=y) for t in TEMPLATES for x, y in ((a, b), (b, a))]
+    """The distinct ways to ask a + b (8, or 4 when a == b)."""
+    return list(dict.fromkeys(t.format(a=x, b=y) for t in TEMPLATES for x, y in ((a, b), (b, a))))
 
 
 def solution(a: int, b: int, rng: random.Random, k: int) -> str:
@@ -200,14 +201,84 @@ def prepare(args):
 # -----------------------------------------------------------------------------
 # Rephrasing with a local instruct model (TA-GRPO data)
 
+REPHRASE_PROMPT = ("Rewrite the math problem below in {n} different ways. Each rewrite must ask exactly the same "
+                   "question with the same answer and keep every number exactly as written; change the wording, "
+                   "the format or the order of the information. Reply with the {n} rewrites only, one per line, "
+                   "numbered 1. to {n}.\n\nProblem: {question}")
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def filter_rephrasings(question: str, candidates: list[str]):
+    """Keep the candidates that are not empty, keep every number of the question (as a multiset), and
+    differ from the question and from each other (ignoring case and spacing). Returns (kept, why dropped)."""
+    norm = lambda text: " ".join(text.lower().split())
+    numbers = Counter(NUMBER.findall(question))
+    kept, seen, dropped = [], {norm(question)}, Counter()
+    for text in candidates:
+        text = text.strip()
+        if not text:
+            dropped["empty"] += 1
+        elif Counter(NUMBER.findall(text)) != numbers:
+            dropped["numbers changed"] += 1
+        elif norm(text) == norm(question):
+            dropped["same as the question"] += 1
+        elif norm(text) in seen:
+            dropped["duplicate"] += 1
+        else:
+            kept.append(text)
+            seen.add(norm(text))
+    return kept, dropped
+
+
+def split_numbered(reply: str) -> list[str]:
+    """'1. foo\n2) bar\n- baz' -> ['foo', 'bar', 'baz']."""
+    return [re.sub(r"^\s*(\d+[.):]|[-*])\s*", "", line) for line in reply.splitlines() if line.strip()]
+
+
+def rephrase(args):
+    """Add model-made rephrasings to a JSONL file of questions (see filter_rephrasings for what is kept)."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    rows = grpo.load_jsonl(args.input)
+    model, tokenizer = grpo.load_model(args.model, grpo.pick_device(args.device))
+    torch.manual_seed(args.seed)
+    prompts = [grpo.prompt_ids(tokenizer, REPHRASE_PROMPT.format(n=args.n, question=row["question"]), "")
+               for row in rows]
+    ids, mask, _ = grpo.sample(model, tokenizer, prompts, args.max_new_tokens, args.temperature,
+                               batch_size=args.batch_size)
+    total, dropped, empty_rows = 0, Counter(), 0
+    for row, reply in zip(rows, grpo.decode(tokenizer, ids, mask)):
+        candidates = split_numbered(reply)
+        kept, why = filter_rephrasings(row["question"], candidates)
+        row["rephrasings"] = kept[: args.n]
+        total, dropped, empty_rows = total + len(candidates), dropped + why, empty_rows + (not kept)
+    write_jsonl(Path(args.output), rows)
+    kept = sum(len(r["rephrasings"]) for r in rows)
+    print(f"{args.output}: kept {kept} of {total} candidate rephrasings for {len(rows)} rows; dropped: "
+          + (", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "none")
+          + f"; {empty_rows} rows kept their question with no rephrasing")
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="Make the shipped data and tiny model, or rephrase questions.")
     parser.add_argument("--seed", type=int, default=SEED)
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("all", help="data and tiny model (the default)")
+    sub.add_parser("all", help="data/train.jsonl, data/test.jsonl and data/tiny (the default)")
+    r = sub.add_parser("rephrase", help="add problem-equivalent rephrasings made by a local instruct model")
+    r.add_argument("--model", required=True, help="local folder or hub name of an instruct model")
+    r.add_argument("--input", required=True)
+    r.add_argument("--output", required=True)
+    r.add_argument("-n", type=int, default=3, help="rephrasings wanted per question")
+    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--temperature", type=float, default=0.7)
+    r.add_argument("--batch-size", type=int, default=64)
+    r.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    prepare(args)
+    try:
+        rephrase(args) if args.command == "rephrase" else prepare(args)
+    except (grpo.ConfigError, grpo.DataError) as e:
+        sys.exit(f"prepare.py: error: {e}")
 
 
 if __name__ == "__main__":
