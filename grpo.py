@@ -103,7 +103,7 @@ class Config:
     micro_batch_size: int = _opt(64, "rows per forward/backward (gradients accumulate across them)")
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
-    eval_every: int = _opt(0, "eval every N steps (0 = only at start and end)")
+    eval_every: int = _opt(25, "eval every N steps (0 = only at start and end)")
     eval_samples: int = _opt(8, "samples per held-out question for pass@k")
     eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
     out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
