@@ -40,8 +40,9 @@ What is simplified versus the papers (honestly):
 """
 
 import argparse
-import copy
+import contextlib
 import json
+import os
 import math
 import random
 import re
@@ -103,7 +104,7 @@ class Config:
     micro_batch_size: int = _opt(64, "rows per forward/backward (gradients accumulate across them)")
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
-    eval_every: int = _opt(25, "eval every N steps (0 = only at start and end)")
+    eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
     eval_samples: int = _opt(8, "samples per held-out question for pass@k")
     eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
     out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
@@ -297,15 +298,15 @@ def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temp
     if checkpointing:  # with checkpointing on, generate silently turns the KV cache off
         model.gradient_checkpointing_disable()
     eos = eos_ids(model, tokenizer)
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p)
+    # set every sampling knob: a hub generation_config's own top-k / repetition penalty would change the policy
+    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     device = next(model.parameters()).device
     chunks = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = left_pad(prompts[i:i + batch_size], tokenizer.pad_token_id)
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            top_k=0, repetition_penalty=1.0,  # override a hub generation_config's sampling defaults
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, stop_strings=stop_strings,
+            repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, stop_strings=stop_strings,
             tokenizer=tokenizer if stop_strings else None, **knobs)
         chunks.append(out[:, ids.shape[1]:])
     C = max(c.shape[1] for c in chunks)
@@ -388,10 +389,12 @@ def per_token_logps(model, input_ids, attention_mask, completion_len: int, tempe
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, C, V), model dtype
+    logits.div_(temperature)  # in place: the lm_head's backward does not need its output
     targets = input_ids[:, -completion_len:]
     rows = []
-    for row_logits, row_targets in zip(logits, targets):  # one (C, V) float32 copy at a time
-        row = row_logits.float() / temperature
+    for row_logits, row_targets in zip(logits, targets):
+        # float32 models: no copy at all; bf16: one (C, V) float32 row at a time (kept for backward with grad)
+        row = row_logits.float()
         rows.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - row.logsumexp(-1))
     return torch.stack(rows)
 
@@ -680,14 +683,38 @@ def rows_logps(model, rows: Rows, temperature, device):
     return per_token_logps(model, input_ids, attention_mask, rows.completion_ids.shape[1], temperature)
 
 
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or mean, or max) plain numbers over the data-parallel ranks; identity in a single process."""
+    if not torch.distributed.is_initialized():
+        return values
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return (t / world_size() if op == "mean" else t).tolist()
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """A rank's rollout metrics averaged over the ranks (the maximum for *_max keys)."""
+    keys = sorted(metrics)
+    means, maxima = (all_reduce([metrics[k] for k in keys], op) for op in ("mean", "max"))
+    return {k: hi if k.endswith("_max") else m for k, m, hi in zip(keys, means, maxima)}
+
+
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses are weighted
-    so that their sum is the loss of the whole batch under cfg.loss_type."""
-    metrics, B = {}, len(rows)
-    micro = [trim(rows.select(slice(i, i + cfg.micro_batch_size))) for i in range(0, B, cfg.micro_batch_size)]
+    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches. Each micro-batch loss
+    is weighted so that the weighted sum is the loss of the whole (global) batch under cfg.loss_type; under
+    DDP, which averages gradients over W ranks, the weights carry a factor W and use global row/token counts."""
+    metrics, W = {}, world_size()
+    micro = [trim(rows.select(slice(i, i + cfg.micro_batch_size))) for i in range(0, len(rows), cfg.micro_batch_size)]
     tokens = [m.completion_mask.sum().item() for m in micro]
-    share = {"grpo": [len(m) / B for m in micro], "dr_grpo": [len(m) / B for m in micro],
-             "bnpo": [1 / len(micro)] * len(micro), "dapo": [t / max(sum(tokens), 1) for t in tokens]}[cfg.loss_type]
+    global_rows, global_tokens = all_reduce([len(rows), sum(tokens)])
+    share = {"grpo": [W * len(m) / global_rows for m in micro], "dr_grpo": [W * len(m) / global_rows for m in micro],
+             "bnpo": [1 / len(micro)] * len(micro),  # TRL's bnpo normalises each micro-batch on its own
+             "dapo": [W * t / max(global_tokens, 1) for t in tokens]}[cfg.loss_type]
     max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     with timed(metrics, "time/logps"), torch.no_grad():
         # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the current ones
@@ -697,20 +724,22 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     with timed(metrics, "time/update"):
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
-                logps = rows_logps(model, m, cfg.temperature, device)
-                loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
-                    ref_per_token_logps=ref[j] if ref else None,
-                    token_weights=None if m.token_weights is None else m.token_weights.to(device),
-                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
-                    loss_type=cfg.loss_type, max_completion_length=max_len)
-                (loss * share[j]).backward()
+                last = j == len(micro) - 1  # DDP all-reduces gradients on the last micro-batch only
+                with model.no_sync() if W > 1 and not last else contextlib.nullcontext():
+                    logps = rows_logps(model, m, cfg.temperature, device)
+                    loss, loss_metrics = policy_loss(
+                        logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
+                        ref_per_token_logps=ref[j] if ref else None,
+                        token_weights=None if m.token_weights is None else m.token_weights.to(device),
+                        beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
+                        loss_type=cfg.loss_type, max_completion_length=max_len)
+                    (loss * share[j]).backward()
                 for key, value in dict(loss_metrics, loss=loss.item()).items():
-                    totals[key] = totals.get(key, 0.0) + value * share[j] / cfg.num_iterations
+                    totals[key] = totals.get(key, 0.0) + value * share[j] / W / cfg.num_iterations
             grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    metrics.update(totals, grad_norm=float(np.mean(grad_norms)))
+    metrics.update(zip(totals, all_reduce(list(totals.values()))), grad_norm=float(np.mean(grad_norms)))
     return metrics
 
 # -----------------------------------------------------------------------------
@@ -773,22 +802,50 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int
                 "config": asdict(cfg)}, out / "state.pt")
 
 
-def train(cfg: Config) -> dict:
-    """Run GRPO (or a variant) as configured; returns the summary it also prints and saves."""
-    import transformers
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+def train_step(model, policy, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int, device) -> dict:
+    """One step: draw P prompts, sample and score (this rank's share), then update. `policy` is the model,
+    or its DDP wrapper. Returns the step's metrics."""
+    t_step = time.perf_counter()
+    W = world_size()
+    rank = torch.distributed.get_rank() if W > 1 else 0
+    rng = random.Random(cfg.seed * 1_000_003 + step)      # data and sampling depend on (seed, step) only,
+    torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)  # so a resumed run continues the same stream
+    batch = rng.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
+    batch = batch[rank * len(batch) // W:(rank + 1) * len(batch) // W]  # whole groups stay on one rank
+    rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
+    metrics = reduce_metrics(metrics)
+    metrics.update(update(policy, ref_model, optimizer, rows, cfg, device))
+    metrics["time/step"] = time.perf_counter() - t_step
+    metrics["tokens_per_s"] = metrics["tokens"] * W / metrics["time/sample"]
+    return metrics
+
+
+def setup_distributed(cfg: Config):
+    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join the process group (NCCL on GPUs, gloo on CPU).
+    Returns (rank, device); a plain `python grpo.py` is rank 0 of 1."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, pick_device(cfg.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {world} ranks")
     device = pick_device(cfg.device)
-    train_rows, test_rows = load_jsonl(cfg.data), load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
-    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
-        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, device
+
+
+def load_run(cfg: Config, device):
+    """Policy, tokenizer, reference (only when beta > 0), optimizer and schedule, and the step to start
+    from (from the checkpoint in --out with --resume)."""
     out = Path(cfg.out)
     if cfg.resume and not (out / "state.pt").is_file():
         raise ConfigError(f"--resume: no checkpoint in {out} ({out / 'state.pt'} is missing)")
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(str(out) if cfg.resume else cfg.model, device)
     ref_model = None
-    if cfg.beta > 0:  # the frozen starting policy; not even loaded when beta = 0
+    if cfg.beta > 0:  # the frozen starting policy
         ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -801,55 +858,77 @@ def train(cfg: Config) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"]
+    return model, tokenizer, ref_model, optimizer, scheduler, start
+
+
+def train(cfg: Config) -> dict:
+    """Run GRPO (or a variant) as configured; returns the summary it also prints and saves (rank 0)."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    train_rows, test_rows = load_jsonl(cfg.data), load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
+    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
+        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    rank, device = setup_distributed(cfg)
+    W, main_rank = world_size(), rank == 0
+    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device)
+    policy = model if W == 1 else torch.nn.parallel.DistributedDataParallel(model)  # forward for gradients
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
-    write = lambda record: (log.write(json.dumps(record) + "\n"), log.flush())
+    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w") if main_rank else None
+    write = lambda record: main_rank and (log.write(json.dumps(record) + "\n"), log.flush())
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
 
+    def run_eval():  # rank 0 evaluates while the others wait
+        with autocast:
+            result = evaluate(model, tokenizer, test_rows, cfg, eval_seed) if main_rank else None
+        if W > 1:
+            torch.distributed.barrier()
+        return result
+
     t0 = time.time()
-    with autocast:
-        before = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+    before = run_eval()
     write({"step": start, "eval": before})
     step, timings = start, []
-    bar = tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True, disable=not main_rank)
     try:
         for step in bar:
-            t_step = time.perf_counter()
-            rng = random.Random(cfg.seed * 1_000_003 + step)  # data and sampling depend on (seed, step) only,
-            torch.manual_seed(cfg.seed * 1_000_003 + step)    # so a resumed run continues the same stream
-            batch = rng.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
             with autocast:
-                rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
-                metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
+                metrics = train_step(model, policy, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
             scheduler.step()
-            metrics["time/step"] = time.perf_counter() - t_step
-            metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
             timings.append({k: v for k, v in metrics.items() if k.startswith("time/")})
             write({"step": step + 1, "lr": scheduler.get_last_lr()[0], **metrics})
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", s=f"{metrics['time/step']:.2f}")
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                with autocast:
-                    write({"step": step + 1, "eval": evaluate(model, tokenizer, test_rows, cfg, eval_seed)})
+                write({"step": step + 1, "eval": run_eval()})
         step = cfg.steps
     except KeyboardInterrupt:
-        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
+        if main_rank:
+            save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
         sys.exit(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
     bar.close()
-    save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
-    with autocast:
-        after = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+    if main_rank:
+        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
+    after = run_eval()
+    if W > 1:
+        torch.distributed.destroy_process_group()
+    return report(cfg, before, after, step, time.time() - t0, timings, write) if main_rank else None
+
+
+def report(cfg: Config, before, after, steps, wall_s, timings, write) -> dict:
+    """Print and save the end-of-run summary: eval before -> after and the median phase times."""
+    phases = {k[5:]: float(np.median([t[k] for t in timings])) for k in (timings[0] if timings else {})}
+    summary = {"variant": cfg.variant, "steps": steps, "before": before, "after": after, "wall_s": wall_s,
+               "median_seconds_per_step": phases}
+    write({"step": steps, "eval": after, "summary": summary})
+    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    if phases:
+        print("median seconds per step:\n" + "\n".join(f"  {k:<8} {v:7.3f}" for k, v in phases.items()))
     n = cfg.eval_samples
-    summary = {"variant": cfg.variant, "steps": step, "before": before, "after": after,
-               "wall_s": time.time() - t0, "time_per_step": {k: float(np.median([t[k] for t in timings]))
-                                                           for k in (timings[0] if timings else {})}}
-    write({"step": step, "eval": after, "summary": summary})
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if timings:
-        print("median seconds per step: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in summary["time_per_step"].items()))
     print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
           f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
-          f"pass@{n} {before[f'pass@{n}']:.3f} -> {after[f'pass@{n}']:.3f} | {summary['wall_s']:.0f} s")
+          f"pass@{n} {before[f'pass@{n}']:.3f} -> {after[f'pass@{n}']:.3f} | {wall_s:.0f} s")
     return summary
 
 # -----------------------------------------------------------------------------

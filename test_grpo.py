@@ -691,3 +691,154 @@ def test_every_variant_runs_a_step_on_both_families(pad_is_eos_model, variant, t
                          "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1"])
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
     assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+
+# -----------------------------------------------------------------------------
+# Data parallel: two gloo processes against one process
+
+
+DDP_LOSS_TYPES = ["dapo", "grpo", "dr_grpo"]
+
+
+def ddp_case(loss_type):
+    """The same model, reference and rows in every process: 8 prompts x 4 sampled completions."""
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    ref = grpo.load_model(str(TINY), torch.device("cpu"))[0].eval()
+    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:8]
+    prompts = [grpo.prompt_ids(tok, row["question"], grpo.SYSTEM_PROMPT) for row in train for _ in range(4)]
+    torch.manual_seed(0)
+    ids, mask, _ = grpo.sample(model, tok, prompts, 32)
+    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(1))
+    rows = grpo.make_rows(prompts, ids, mask, advantages, tok.pad_token_id)
+    cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1)
+    # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
+    return model, ref, rows, cfg, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def ddp_worker(rank, world, port, out):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    for loss_type in DDP_LOSS_TYPES:
+        model, ref, rows, cfg, opt = ddp_case(loss_type)
+        share = rows.select(slice(rank * len(rows) // world, (rank + 1) * len(rows) // world))
+        metrics = grpo.update(torch.nn.parallel.DistributedDataParallel(model), ref, opt, share, cfg, "cpu")
+        if rank == 0:
+            torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_update_like_one(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(ddp_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    for loss_type in DDP_LOSS_TYPES:
+        model, ref, rows, cfg, opt = ddp_case(loss_type)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu")
+        ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
+        assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
+        for k, v in model.state_dict().items():
+            # the parameter updates agree to float32 summation-order noise
+            assert torch.allclose(ddp_state[k] - start[k], v - start[k], rtol=1e-3, atol=1e-7), (loss_type, k)
+        assert ddp_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-7)
+        assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
+
+# -----------------------------------------------------------------------------
+# Benchmarks (python -m pytest -q -m bench -s): they print figures and assert nothing about speed.
+
+MEMORY_SCRIPT = """
+import resource, sys, torch, grpo
+from transformers import Qwen2Config, Qwen2ForCausalLM
+torch.manual_seed(0)
+method, grad = sys.argv[1], sys.argv[2] == "grad"
+config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+model = Qwen2ForCausalLM(config).requires_grad_(grad)
+B, P, C = 16, 256, 256  # T = 512: a 256-token prompt and a 256-token completion
+ids = torch.randint(0, config.vocab_size, (B, P + C))
+mask = torch.ones_like(ids)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with torch.set_grad_enabled(grad):
+    if method == "ours":
+        logps = grpo.per_token_logps(model, ids, mask, C, temperature=0.9)
+    else:  # the naive pass: full logits, then a full float32 log-softmax copy
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1:-1] / 0.9
+        logps = logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+    if grad:
+        logps.sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+"""
+
+
+@pytest.mark.bench
+def test_bench_logps_memory(request):
+    """Peak extra memory (GiB) of the log-prob pass at the real Qwen2 vocabulary, B = 16, T = 512."""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    import subprocess
+    import sys
+    print(f"\nQwen2 config, vocab 151,936, hidden 896, 2 layers, B=16, T=512 (completion 256), float32, CPU")
+    for grad in ("no-grad", "grad"):
+        peaks = {m: float(subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, m, grad], capture_output=True,
+                                         text=True, cwd=HERE, check=True).stdout.split()[-1])
+                 for m in ("naive", "ours")}
+        print(f"{grad:8s} naive log_softmax+gather {peaks['naive']:.2f} GiB | per_token_logps {peaks['ours']:.2f} GiB"
+              f" | ratio {peaks['naive'] / peaks['ours']:.2f}")
+
+
+@pytest.mark.bench
+def test_bench_against_trl(request, tmp_path):
+    """Median step time of TRL's GRPOTrainer and of grpo.py on the same tiny model and prompts, alternating."""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl); it is not a dependency")
+    import copy
+    import time
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    P, G, C, steps, rounds = 16, 8, 32, 8, 3
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")
+    cfg = grpo.Config(prompts_per_step=P, num_generations=G, max_new_tokens=C, lr=2e-4, warmup_steps=0, beta=0.0,
+                      num_iterations=1, loss_type="dapo", micro_batch_size=P * G)
+    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": cfg.system_prompt},
+                                             {"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                                 for r in train])
+
+    def reward(completions, answer, **kwargs):
+        return [grpo.score(c[0]["content"], a, True)[0] for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    ours, theirs = [], []
+    for r in range(rounds):
+        clock = Clock()
+        args = trl.GRPOConfig(output_dir=str(tmp_path / f"trl{r}"), per_device_train_batch_size=P * G,
+                              num_generations=G, max_completion_length=C, max_steps=steps, learning_rate=2e-4,
+                              beta=0.0, loss_type="dapo", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
+                              use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+                              save_strategy="no", logging_steps=1, disable_tqdm=True, seed=r,
+                              lr_scheduler_type="constant", warmup_steps=0)
+        trainer = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=args, train_dataset=dataset,
+                                  processing_class=tok, callbacks=[clock])
+        trainer.train()
+        theirs += clock.times[1:]  # the first step of a round warms caches
+        policy = copy.deepcopy(model)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+        times = [grpo.train_step(policy, policy, tok, None, opt, cfg, train, r * steps + s, "cpu")["time/step"]
+                 for s in range(steps)]
+        ours += times[1:]
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    print(f"\nTRL {trl.__version__} GRPOTrainer vs grpo.py, tiny model, P={P} x G={G}, {C} new tokens, mu=1, "
+          f"beta=0, dapo, {torch.get_num_threads()} threads, {rounds} alternating rounds of {steps} steps:\n"
+          f"median step: TRL {med(theirs):.3f} s | grpo.py {med(ours):.3f} s | TRL / grpo.py {med(theirs) / med(ours):.2f}")
