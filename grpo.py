@@ -138,6 +138,7 @@ def parse_args(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
+    """Stop on impossible sizes with one line naming the flag."""
     rules = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2), ("num_answers", 1),
              ("num_rephrasings", 1), ("max_new_tokens", 1), ("max_answer_tokens", 1), ("num_iterations", 1),
              ("micro_batch_size", 1), ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0),
@@ -249,6 +250,7 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's (Qwen has two)."""
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     return sorted(ids | {tokenizer.eos_token_id})
@@ -320,6 +322,7 @@ def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temp
 
 
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
+    """The text of each completion's masked tokens, special tokens dropped."""
     return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
@@ -344,6 +347,7 @@ class Rows:
 
 
 def make_rows(contexts: list[list[int]], completion_ids, completion_mask, advantages, pad_id, token_weights=None):
+    """Rows from context id lists (left-padded here) and sampled completions."""
     context_ids, context_mask = left_pad(contexts, pad_id)
     return Rows(context_ids, context_mask, completion_ids.cpu(), completion_mask.cpu(), advantages, token_weights)
 
@@ -562,6 +566,7 @@ def score_batch(tokenizer, completion_ids, completion_mask, finished, answers, f
 
 
 def sample_metrics(rewards, group_size, parsed, completion_mask, finished) -> dict:
+    """Reward, zero-variance, length, truncation and parse metrics of one step's samples."""
     groups = rewards.reshape(-1, group_size)
     lengths = completion_mask.sum(1).float()
     return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
@@ -649,25 +654,25 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     (the public code's behaviour)."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
     questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"]))) for row in batch]
-    flat = [(p, j) for p, qs in enumerate(questions) for j in range(len(qs)) for _ in range(G)]
-    own = [prompt_ids(tokenizer, questions[p][j], cfg.system_prompt) for p, j in flat]
+    slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
+    p_idx, j_idx, g_idx = torch.tensor(slots).T  # row -> (question, phrasing, sample)
+    own = [prompt_ids(tokenizer, questions[p][j], cfg.system_prompt) for p, j, _ in slots]
     with timed(metrics, "time/sample"):
         ids, mask, finished = sample(model, tokenizer, own, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     with timed(metrics, "time/score"):
-        r, parsed = score_batch(tokenizer, ids, mask, finished, [batch[p]["answer"] for p, _ in flat], cfg.format_reward)
-        rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such question
-        slots = torch.tensor([[p, j] for p, j in flat])
-        rewards[slots[:, 0], slots[:, 1], torch.arange(len(flat)) % G] = r
-        advantages = ta_advantages(rewards, cfg.scale_rewards)[slots[:, 0], slots[:, 1], torch.arange(len(flat)) % G]
+        r, parsed = score_batch(tokenizer, ids, mask, finished, [batch[p]["answer"] for p, _, _ in slots],
+                                cfg.format_reward)
+        rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such phrasing
+        rewards[p_idx, j_idx, g_idx] = r
+        advantages = ta_advantages(rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
     q0 = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
-    contexts = own if cfg.ta_anchor == "rephrased" else [q0[p] for p, _ in flat]
-    originals = rewards[:, 0]  # (P, G)
-    pooled = [rewards[p].nan_to_num(-1)[: len(qs)] for p, qs in enumerate(questions)]
+    contexts = own if cfg.ta_anchor == "rephrased" else [q0[p] for p, _, _ in slots]
+    originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
+    pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
     metrics.update(sample_metrics(r, G, parsed, mask, finished), tokens=mask.sum().item(),
                    frac_reward_zero_std=(originals.amax(1) == originals.amin(1)).float().mean().item(),
                    frac_reward_zero_std_pooled=float(np.mean([(g.max() == g.min()).item() for g in pooled])),
-                   reward_original=originals.mean().item(),
-                   reward_rephrased=r[[j > 0 for _, j in flat]].mean().item() if any(j for _, j in flat) else math.nan)
+                   reward_original=originals.mean().item(), reward_rephrased=r[j_idx > 0].mean().item())
     return make_rows(contexts, ids, mask, advantages, tokenizer.pad_token_id), metrics
 
 
@@ -678,12 +683,14 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 
 
 def rows_logps(model, rows: Rows, temperature, device):
+    """(B, C) per-token log-probs of the rows' completions given their contexts."""
     input_ids = torch.cat([rows.context_ids, rows.completion_ids], 1).to(device)
     attention_mask = torch.cat([rows.context_mask, rows.completion_mask], 1).to(device)
     return per_token_logps(model, input_ids, attention_mask, rows.completion_ids.shape[1], temperature)
 
 
 def world_size() -> int:
+    """Number of data-parallel ranks (1 without torchrun)."""
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
@@ -776,6 +783,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict
 
 
 def pick_device(name: str) -> torch.device:
+    """--device: auto picks cuda, then mps, then cpu."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     return torch.device(name)
@@ -796,6 +804,7 @@ def load_model(path: str, device):
 
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config):
+    """save_pretrained of model and tokenizer, plus optimizer, schedule, step and config in state.pt."""
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
@@ -936,6 +945,7 @@ def report(cfg: Config, before, after, steps, wall_s, timings, write) -> dict:
 
 
 def main(argv=None):
+    """Command line entry point: bad flags or data stop with one line naming the flag, file, line and field."""
     try:
         cfg = parse_args(argv)
         return train(cfg)
