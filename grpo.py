@@ -1,10 +1,11 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2 min)
+    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2.5 min)
     python grpo.py --variant lambda                  # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl --test-data my_test.jsonl \\
         --max-new-tokens 512 --lr 1e-6 --gradient-checkpointing    # one GPU, bf16 autocast
+    torchrun --nproc_per_node=8 grpo.py ...          # data parallel: each rank samples its share of the prompts
 
 The four schemes differ only in how completions are sampled and how their advantages and per-token weights
 are filled in; they share the sampler, the log-prob pass and the loss:
@@ -32,7 +33,8 @@ What is simplified versus the papers (honestly):
 - No LoRA; the reference model, when beta > 0, is a full frozen copy.
 - GRPO-MA: thoughts that never close with </think> are not continued; their M answers score 0 (documented
   in rollout_ma). The paper's weighting between thought and answer tokens is not published; here every
-  thought and answer token goes through the same loss aggregation (see rollout_ma).
+  thought and answer token goes through the same loss aggregation (see rollout_ma). The M answers of a
+  thought each prefill prompt + thought again (no shared KV cache).
 - TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py rephrase`
   makes them with a local model) instead of GPT-4-Turbo.
 - λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
@@ -42,8 +44,8 @@ What is simplified versus the papers (honestly):
 import argparse
 import contextlib
 import json
-import os
 import math
+import os
 import random
 import re
 import sys
