@@ -397,12 +397,13 @@ def per_token_logps(model, input_ids, attention_mask, completion_len: int, tempe
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, C, V), model dtype
     logits.div_(temperature)  # in place: the lm_head's backward does not need its output
     targets = input_ids[:, -completion_len:]
-    rows = []
-    for row_logits, row_targets in zip(logits, targets):
-        # float32 models: no copy at all; bf16: one (C, V) float32 row at a time (kept for backward with grad)
-        row = row_logits.float()
-        rows.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - row.logsumexp(-1))
-    return torch.stack(rows)
+    # a few rows at a time, so that logsumexp's float32 temporaries stay near 2**27 elements (512 MB)
+    rows_per_chunk = max(1, 2**27 // logits[0].numel())
+    chunks = []
+    for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk)):
+        chunk = chunk.float()  # no copy for float32 models; with bf16 the copy is kept for backward
+        chunks.append(chunk.gather(-1, chunk_targets[..., None]).squeeze(-1) - chunk.logsumexp(-1))
+    return torch.cat(chunks)
 
 # -----------------------------------------------------------------------------
 # Advantages and token weights: one small function per scheme, on plain tensors.
@@ -477,23 +478,18 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     λ(i,t), the process set of token t of completion i, is the set of completions j in i's group whose
     tokens 0..t (up to and including t) equal i's and are all unmasked; it counts i itself and exact
     duplicates. Tokens in a shared prefix are trained once per prefix instead of once per completion.
-    Rows form groups of `group_size` consecutive rows. Exact (no hashing): a prefix id at t is the unique
-    pair (prefix id at t-1, token t), so the loop runs over positions only.
+    Rows form groups of `group_size` consecutive rows. Exact and loop-free: compare every pair of rows of a
+    group token by token, and a running product turns "equal at t" into "equal up to and including t";
+    this takes B * group_size * T bytes.
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; others 1.
     """
     B, T = completion_ids.shape
-    mask = completion_mask.bool()
-    rows = torch.arange(B, device=completion_ids.device)
-    prefix = rows // group_size  # at t = -1 every row of a group shares the empty prefix
-    big = int(completion_ids.max()) + B + 2
-    weights = torch.zeros(B, T, dtype=torch.float32, device=completion_ids.device)
-    for t in range(T):
-        # a masked token gets a key no other row can have, so it never joins (or continues) a prefix
-        token = torch.where(mask[:, t], completion_ids[:, t] + B + 1, rows)
-        _, prefix, counts = torch.unique(prefix * big + token, return_inverse=True, return_counts=True)
-        weights[:, t] = torch.where(mask[:, t], 1.0 / counts[prefix], 0.0)
-    return weights
+    ids = completion_ids.view(-1, group_size, T)        # (groups, G, T)
+    mask = completion_mask.view(-1, group_size, T).bool()
+    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T): i, j, t
+    counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)          # |λ(i,t)|, (groups, G, T)
+    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).view(B, T)
 
 # -----------------------------------------------------------------------------
 # Loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
@@ -743,8 +739,10 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
                         beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
                         loss_type=cfg.loss_type, max_completion_length=max_len)
                     (loss * share[j]).backward()
+                # the loss adds up as the objective does; kl and clip fractions are token means of the batch
+                weights = dict.fromkeys(loss_metrics, tokens[j] / max(global_tokens, 1)) | {"loss": share[j] / W}
                 for key, value in dict(loss_metrics, loss=loss.item()).items():
-                    totals[key] = totals.get(key, 0.0) + value * share[j] / W / cfg.num_iterations
+                    totals[key] = totals.get(key, 0.0) + value * weights[key] / cfg.num_iterations
             grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -827,7 +827,7 @@ def test_bench_against_trl(request, tmp_path):
                               num_generations=G, max_completion_length=C, max_steps=steps, learning_rate=2e-4,
                               beta=0.0, loss_type="dapo", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
                               use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                              save_strategy="no", logging_steps=1, disable_tqdm=True, seed=r,
+                              save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=r,
                               lr_scheduler_type="constant", warmup_steps=0)
         trainer = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=args, train_dataset=dataset,
                                   processing_class=tok, callbacks=[clock])
