@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2.5 min)
+    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2 min)
     python grpo.py --variant lambda                  # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl --test-data my_test.jsonl \\
         --max-new-tokens 512 --lr 1e-6 --gradient-checkpointing    # one GPU, bf16 autocast
