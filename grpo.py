@@ -355,26 +355,18 @@ def make_rows(contexts: list[list[int]], completion_ids, completion_mask, advant
 
 
 def cat_rows(parts: list[Rows], pad_id) -> Rows:
-    """Stack rows of different context and completion lengths: contexts are left-padded, completions
-    right-padded; advantages become per-token (B, C) unless every part has one per row."""
+    """Stack rows of different context and completion lengths (GRPO-MA's thought and answer rows):
+    contexts are left-padded, completions right-padded. Parts carry one advantage per row and no weights."""
     Lc = max(r.context_ids.shape[1] for r in parts)
     C = max(r.completion_ids.shape[1] for r in parts)
     left = lambda t, value: torch.nn.functional.pad(t, (Lc - t.shape[1], 0), value=value)
     right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
-    if all(r.advantages.dim() == 1 for r in parts):
-        advantages = torch.cat([r.advantages for r in parts])
-    else:
-        advantages = torch.cat([right(r.advantages if r.advantages.dim() == 2 else
-                                      r.advantages[:, None].expand(r.completion_mask.shape), 0.0) for r in parts])
-    weights = None
-    if any(r.token_weights is not None for r in parts):
-        weights = torch.cat([right(r.completion_mask.float() if r.token_weights is None else r.token_weights, 0.0)
-                             for r in parts])
+    assert all(r.advantages.dim() == 1 and r.token_weights is None for r in parts)
     return Rows(torch.cat([left(r.context_ids, pad_id) for r in parts]),
                 torch.cat([left(r.context_mask, 0) for r in parts]),
                 torch.cat([right(r.completion_ids, pad_id) for r in parts]),
                 torch.cat([right(r.completion_mask, 0) for r in parts]),
-                advantages, weights)
+                torch.cat([r.advantages for r in parts]))
 
 
 def trim(rows: Rows) -> Rows:
@@ -750,35 +742,6 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     return metrics
 
 # -----------------------------------------------------------------------------
-# Eval: greedy accuracy and pass@k on the held-out set.
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict:
-    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
-    training temperature (pass@1 is the mean accuracy of those samples)."""
-    torch.manual_seed(seed)
-    n = cfg.eval_samples
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in rows]
-    answers = [row["answer"] for row in rows]
-    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: thought + answer
-    ids, mask, finished = sample(model, tokenizer, prompts, limit, greedy=True)
-    greedy, _ = score_batch(tokenizer, ids, mask, finished, answers)
-    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], limit,
-                                 cfg.temperature, cfg.top_p)
-    correct, _ = score_batch(tokenizer, ids, mask, finished, [a for a in answers for _ in range(n)])
-    counts = correct.view(len(rows), n).sum(1).long().tolist()
-    return {"greedy": greedy.mean().item(),
-            **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in range(1, n + 1)}}
-
-# -----------------------------------------------------------------------------
 # Train loop and checkpoints.
 
 
@@ -939,6 +902,35 @@ def report(cfg: Config, before, after, steps, wall_s, timings, write) -> dict:
           f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
           f"pass@{n} {before[f'pass@{n}']:.3f} -> {after[f'pass@{n}']:.3f} | {wall_s:.0f} s")
     return summary
+
+# -----------------------------------------------------------------------------
+# Eval: greedy accuracy and pass@k on the held-out set.
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict:
+    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
+    training temperature (pass@1 is the mean accuracy of those samples)."""
+    torch.manual_seed(seed)
+    n = cfg.eval_samples
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in rows]
+    answers = [row["answer"] for row in rows]
+    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: thought + answer
+    ids, mask, finished = sample(model, tokenizer, prompts, limit, greedy=True)
+    greedy, _ = score_batch(tokenizer, ids, mask, finished, answers)
+    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], limit,
+                                 cfg.temperature, cfg.top_p)
+    correct, _ = score_batch(tokenizer, ids, mask, finished, [a for a in answers for _ in range(n)])
+    counts = correct.view(len(rows), n).sum(1).long().tolist()
+    return {"greedy": greedy.mean().item(),
+            **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in range(1, n + 1)}}
 
 # -----------------------------------------------------------------------------
 # Main
