@@ -239,10 +239,11 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0)
     <think>..</think><answer>..</answer> shape. parsed is False when no answer could be read."""
     answer = extract_answer(text)
     ref_num = parse_number(reference)
-    parsed = answer is not None and (ref_num is None or parse_number(answer) is not None)
+    answer_num = parse_number(answer) if answer is not None else None
+    parsed = answer is not None and (ref_num is None or answer_num is not None)
     correct = False
     if parsed and finished:
-        correct = (parse_number(answer) == ref_num) if ref_num is not None else (
+        correct = (answer_num == ref_num) if ref_num is not None else (
             re.sub(r"\s", "", answer) == re.sub(r"\s", "", reference))
     shaped = finished and FORMAT_RE.fullmatch(text) is not None
     return float(correct) + format_reward * shaped, parsed
@@ -569,7 +570,7 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the rows also
     carry 1/|λ| token weights."""
     G, metrics = cfg.num_generations, {}
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch for _ in range(G)]
+    prompts = [p for row in batch for p in [prompt_ids(tokenizer, row["question"], cfg.system_prompt)] * G]
     with timed(metrics, "time/sample"):
         ids, mask, finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     with timed(metrics, "time/score"):
@@ -600,7 +601,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     answer) is one sequence of the row mean; under dr_grpo every token counts 1/(rows * max length).
     """
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch for _ in range(K)]
+    prompts = [p for row in batch for p in [prompt_ids(tokenizer, row["question"], cfg.system_prompt)] * K]
     with timed(metrics, "time/sample"):
         th_ids, th_mask, th_finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
                                               cfg.top_p, stop_strings=["</think>"])
@@ -646,7 +647,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"]))) for row in batch]
     slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
     p_idx, j_idx, g_idx = torch.tensor(slots).T  # row -> (question, phrasing, sample)
-    own = [prompt_ids(tokenizer, questions[p][j], cfg.system_prompt) for p, j, _ in slots]
+    templated = [[prompt_ids(tokenizer, q, cfg.system_prompt) for q in qs] for qs in questions]  # once per question
+    own = [templated[p][j] for p, j, _ in slots]
     with timed(metrics, "time/sample"):
         ids, mask, finished = sample(model, tokenizer, own, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     with timed(metrics, "time/score"):
@@ -655,8 +657,7 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
         rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such phrasing
         rewards[p_idx, j_idx, g_idx] = r
         advantages = ta_advantages(rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
-    q0 = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
-    contexts = own if cfg.ta_anchor == "rephrased" else [q0[p] for p, _, _ in slots]
+    contexts = own if cfg.ta_anchor == "rephrased" else [templated[p][0] for p, _, _ in slots]
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
     pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
     metrics.update(sample_metrics(r, G, parsed, mask, finished), tokens=mask.sum().item(),
