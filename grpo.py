@@ -157,7 +157,12 @@ def check_config(cfg: Config):
 # Data: JSONL rows {"question": str, "answer": str, "rephrasings": [str, ...]} (rephrasings optional).
 
 
-def load_jsonl(path) -> list[dict]:
+class Row(dict):
+    """A data row {"question", "answer", "rephrasings"} that remembers its 'file:line' for later errors."""
+    where = ""
+
+
+def load_jsonl(path) -> list[Row]:
     """Read and check a data file; any bad line stops with 'file:line: field ...'."""
     path = Path(path)
     if not path.is_file():
@@ -182,6 +187,8 @@ def load_jsonl(path) -> list[dict]:
         rephrasings = row.setdefault("rephrasings", [])
         if not isinstance(rephrasings, list) or not all(isinstance(r, str) and r.strip() for r in rephrasings):
             raise DataError(f"{where}: field 'rephrasings' must be a list of non-empty strings")
+        row = Row(row)
+        row.where = where
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows")
@@ -195,17 +202,34 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
+
+def check_lengths(tokenizer, rows: list[Row], cfg, max_positions: int, phrasings: bool):
+    """Stop before training when a prompt plus its completion budget (thought + answer for ma) would run
+    past the model's positions; phrasings=True checks the rephrasings too."""
+    budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    for row in rows:
+        for question in [row["question"]] + (row["rephrasings"] if phrasings else []):
+            n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
+            if n + budget > max_positions:
+                raise DataError(f"{row.where}: a prompt of {n} tokens + {budget} new tokens = {n + budget} exceeds "
+                                f"the model's {max_positions} positions (max_position_embeddings); shorten the "
+                                f"question or lower --max-new-tokens")
+
 # -----------------------------------------------------------------------------
 # Rewards: exact match of the final answer. Model output is only ever parsed as text.
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d+(\.\d+)?")
 FRACTION_RE = re.compile(r"(-?\d+)/(\d+)|\\d?frac\{(-?\d+)\}\{(\d+)\}")
-FORMAT_RE = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
+FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
+MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits, and none is an answer
 
 
 def extract_answer(text: str):
-    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None."""
+    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None. Only the text
+    after the first </think> is read, so an answer written inside the thought is never credited."""
+    text = text.split("</think>", 1)[-1]
     found = ANSWER_RE.findall(text)
     if found:
         return found[-1]
@@ -224,6 +248,8 @@ def parse_number(text: str):
     """'1,234' '+5' '85.0' '-3/4' '\\frac{1}{2}' -> Fraction; anything else -> None."""
     s = re.sub(r"[\s,$]", "", text)
     s = s[1:] if s.startswith("+") else s
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
     if NUMBER_RE.fullmatch(s):
         return Fraction(s)
     m = FRACTION_RE.fullmatch(s)
@@ -235,8 +261,9 @@ def parse_number(text: str):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0):
     """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer equals the
-    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for the
-    <think>..</think><answer>..</answer> shape. parsed is False when no answer could be read."""
+    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for exactly
+    one <think>..</think> followed by exactly one <answer>..</answer>. parsed is False when no answer could
+    be read."""
     answer = extract_answer(text)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
@@ -303,17 +330,23 @@ def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temp
     if checkpointing:  # with checkpointing on, generate silently turns the KV cache off
         model.gradient_checkpointing_disable()
     eos = eos_ids(model, tokenizer)
-    # set every sampling knob: a hub generation_config's own top-k / repetition penalty would change the policy
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    # only EOS and pad come from the model's generation config: a hub config's top-k, min-p, typical-p,
+    # repetition or n-gram penalties would sample from a policy that the log-probs of the loss never see
+    from transformers import GenerationConfig
+    hub_config = model.generation_config
+    model.generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=not greedy,
+        **({} if greedy else dict(temperature=temperature, top_p=top_p, top_k=0)))
     device = next(model.parameters()).device
     chunks = []
-    for i in range(0, len(prompts), batch_size):
-        ids, mask = left_pad(prompts[i:i + batch_size], tokenizer.pad_token_id)
-        out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, stop_strings=stop_strings,
-            tokenizer=tokenizer if stop_strings else None, **knobs)
-        chunks.append(out[:, ids.shape[1]:])
+    try:
+        for i in range(0, len(prompts), batch_size):
+            ids, mask = left_pad(prompts[i:i + batch_size], tokenizer.pad_token_id)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), stop_strings=stop_strings,
+                                 tokenizer=tokenizer if stop_strings else None)
+            chunks.append(out[:, ids.shape[1]:])
+    finally:
+        model.generation_config = hub_config
     C = max(c.shape[1] for c in chunks)
     completion_ids = torch.cat([torch.nn.functional.pad(c, (0, C - c.shape[1]), value=tokenizer.pad_token_id)
                                 for c in chunks])
@@ -388,13 +421,12 @@ def per_token_logps(model, input_ids, attention_mask, completion_len: int, tempe
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, C, V), model dtype
-    logits.div_(temperature)  # in place: the lm_head's backward does not need its output
     targets = input_ids[:, -completion_len:]
     # a few rows at a time, so that logsumexp's float32 temporaries stay near 2**27 elements (512 MB)
     rows_per_chunk = max(1, 2**27 // logits[0].numel())
     chunks = []
     for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk)):
-        chunk = chunk.float()  # no copy for float32 models; with bf16 the copy is kept for backward
+        chunk = chunk.float() / temperature  # divide after the cast: bf16 logits / T would round again
         chunks.append(chunk.gather(-1, chunk_targets[..., None]).squeeze(-1) - chunk.logsumexp(-1))
     return torch.cat(chunks)
 
@@ -441,13 +473,17 @@ def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     A thought's value V(th_k) is the mean of its M answer rewards; the thought advantage normalises V over
     the K thoughts of its prompt; the answer advantage normalises the rewards over all K*M answers of the
     prompt (not within a thought). Same std convention and zero-variance rule as group_advantages.
+    A thought that was never answered (it did not close with </think>) has NaN answer rewards: its value
+    is 0 and its missing answers are left out of the answer statistics (they get NaN back).
     Returns (thought_adv (P, K), answer_adv (P, K, M)).
 
     One prompt, K=2, M=2, rewards [[1, 1], [1, 0]]: V = [1, 0.5], mean 0.75, std 0.3536 ->
     thought_adv = [0.7069, -0.7069]; answers: mean 0.75, std 0.5 -> answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
+    Rewards [[1, 0], [nan, nan]]: V = [0.5, 0] -> thought_adv = [0.7069, -0.7069]; answer_adv = [[0.7070, -0.7070],
+    [nan, nan]] (the two real answers alone: mean 0.5, std 0.7071).
     """
     P, K, M = rewards.shape
-    values = rewards.mean(-1)  # (P, K)
+    values = rewards.nanmean(-1).nan_to_num(0.0)  # (P, K); an unanswered thought is worth 0
     thought_adv = group_advantages(values.reshape(-1), K, scale, eps).reshape(P, K)
     answer_adv = group_advantages(rewards.reshape(-1), K * M, scale, eps).reshape(P, K, M)
     return thought_adv, answer_adv
@@ -576,7 +612,7 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     with timed(metrics, "time/score"):
         answers = [row["answer"] for row in batch for _ in range(G)]
         rewards, parsed = score_batch(tokenizer, ids, mask, finished, answers, cfg.format_reward)
-        advantages = group_advantages(rewards, G, cfg.scale_rewards)
+        advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
         weights = lambda_weights(ids, mask, G) if cfg.variant == "lambda" else None
     metrics.update(sample_metrics(rewards, G, parsed, mask, finished), tokens=mask.sum().item())
     if weights is not None:
@@ -587,12 +623,14 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
 
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, each stopped right after </think> (the tag belongs to the thought),
-    then M answers per thought, continued from prompt + thought and stopped at EOS.
+    """GRPO-MA: K thoughts per prompt, each stopped by the token whose text completes </think> (with a BPE
+    tokenizer that token can carry more text, e.g. '><' of '</think><answer>'), then M answers per thought,
+    continued from prompt + the thought's tokens as sampled and stopped at EOS. An answer is scored on the
+    thought's text + its own text (only what follows </think> can be the answer).
 
-    A thought that ends without </think> (length limit or EOS) is *unclosed*: it is not continued, its M
-    answers score 0 (so V = 0) and produce no answer rows; the thought row itself is trained with its
-    (usually negative) thought advantage. Counted in metrics["unclosed_thoughts"].
+    A thought whose text has no </think> (length limit or EOS) is *unclosed*: it is not continued, its M
+    answers are missing (NaN rewards, left out of the answer statistics), its value is 0, and the thought
+    row itself is trained with its (usually negative) thought advantage. Counted in metrics["unclosed_thoughts"].
 
     Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M times;
     each answer is one row (context = prompt + its thought, advantage = answer advantage). Under the token
@@ -606,10 +644,10 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         th_ids, th_mask, th_finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
                                               cfg.top_p, stop_strings=["</think>"])
     thoughts = decode(tokenizer, th_ids, th_mask)
-    closed = torch.tensor([bool(f) and t.rstrip().endswith("</think>") for t, f in zip(thoughts, th_finished)])
+    closed = torch.tensor(["</think>" in t for t in thoughts])
     keep = closed.nonzero().squeeze(1).tolist()
     contexts = [prompts[k] + th_ids[k][th_mask[k].bool()].tolist() for k in keep for _ in range(M)]
-    rewards = torch.zeros(len(prompts), M)  # (P*K, M): unclosed thoughts keep 0
+    rewards = torch.full((len(prompts), M), math.nan)  # (P*K, M): unclosed thoughts have no answers
     pad = tokenizer.pad_token_id
     metrics.update(tokens=th_mask.sum().item(), answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
     if keep:
@@ -624,12 +662,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         metrics.update(tokens=metrics["tokens"] + ans_mask.sum().item(), answer_reward=r.mean().item(),
                        answer_length=ans_mask.sum(1).float().mean().item(),
                        truncated=1 - ans_finished.float().mean().item(), unparseable=1 - parsed.float().mean().item())
-    thought_adv, answer_adv = ma_advantages(rewards.view(len(batch), K, M), cfg.scale_rewards)
+    thought_adv, answer_adv = on_global_batch(ma_advantages, rewards.view(len(batch), K, M), cfg.scale_rewards)
     parts = [make_rows(prompts, th_ids, th_mask, thought_adv.reshape(-1), pad)]
     if keep:
         parts.append(make_rows(contexts, ans_ids, ans_mask, answer_adv.reshape(-1, M)[keep].reshape(-1), pad))
-    values = rewards.view(len(batch), K, M).mean(-1)  # V(th_k), (P, K)
-    metrics.update(reward=rewards.mean().item(), reward_std=rewards.std().item(), thought_reward=values.mean().item(),
+    values = rewards.view(len(batch), K, M).nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
+    metrics.update(reward=values.mean().item(), reward_std=values.std().item(), thought_reward=values.mean().item(),
                    frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
                    unclosed_thoughts=1 - closed.float().mean().item(),
                    thought_length=th_mask.sum(1).float().mean().item())
@@ -656,7 +694,7 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
                                 cfg.format_reward)
         rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such phrasing
         rewards[p_idx, j_idx, g_idx] = r
-        advantages = ta_advantages(rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
+        advantages = on_global_batch(ta_advantages, rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
     contexts = own if cfg.ta_anchor == "rephrased" else [templated[p][0] for p, _, _ in slots]
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
     pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
@@ -693,6 +731,22 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
     return (t / world_size() if op == "mean" else t).tolist()
+
+
+def on_global_batch(scheme, rewards, *args):
+    """scheme(rewards, *args) computed on the rewards of all ranks, returning this rank's part (as TRL does),
+    so that batch statistics (--scale-rewards batch) are those of the whole batch. Every rank holds the same
+    number of prompts, so the rewards tensors have the same shape; one process: scheme(rewards, *args)."""
+    if not torch.distributed.is_initialized():
+        return scheme(rewards, *args)
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    parts = [torch.empty_like(rewards, device=device) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, rewards.to(device))
+    result = scheme(torch.cat(parts).cpu(), *args)
+    n, rank = len(rewards), torch.distributed.get_rank()
+    if isinstance(result, tuple):
+        return tuple(r[rank * n:(rank + 1) * n] for r in result)
+    return result[rank * n:(rank + 1) * n]
 
 
 def reduce_metrics(metrics: dict) -> dict:
@@ -845,6 +899,9 @@ def train(cfg: Config) -> dict:
     rank, device = setup_distributed(cfg)
     W, main_rank = world_size(), rank == 0
     model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device)
+    max_positions = model.config.max_position_embeddings
+    check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
+    check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     policy = model if W == 1 else torch.nn.parallel.DistributedDataParallel(model)  # forward for gradients
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

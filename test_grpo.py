@@ -142,6 +142,9 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
     ("<answer>85", 0.0, False),                                      # unclosed tag
     ("\\boxed{85", 0.0, False),                                      # unbalanced braces
     ("<answer>__import__('os')</answer>", 0.0, False),               # never evaluated
+    ("<think><answer>85</answer></think>", 0.0, False),              # an answer inside the thought is not one
+    ("<think><answer>84</answer></think><answer>85</answer>", 1.0, True),
+    ("<think>x</think><", 0.0, False),
 ])
 def test_score(text, reward, parsed):
     assert grpo.score(text, "85", finished=True) == (reward, parsed)
@@ -155,7 +158,19 @@ def test_score_negatives_fractions_and_unfinished():
     assert grpo.parse_number(" 1,234.50 ") == Fraction(2469, 2)
     shaped = "<think>a</think><answer>1</answer>"
     assert grpo.score(shaped, "2", True, format_reward=0.1) == (0.1, True)
+    assert grpo.score(" <think>a\nb</think>\n\n<answer>2</answer>\n", "2", True, format_reward=0.1) == (1.1, True)
     assert grpo.score("<answer>1</answer>", "2", True, format_reward=0.1) == (0.0, True)
+
+
+@pytest.mark.parametrize("text", [
+    "<think>a</think><answer>1</answer><answer>2</answer>",           # two answer blocks
+    "<think>a</think><answer>1</answer><think>b</think><answer>2</answer>",
+    "<think>a<answer>1</answer></think><answer>2</answer>",           # an answer block inside the thought
+    "<think>a<think>b</think><answer>2</answer>",                     # a nested think tag
+    "<think>a</think>so<answer>2</answer>",                           # text between the blocks
+])
+def test_format_reward_wants_exactly_one_think_then_one_answer(text):
+    assert grpo.score(text, "2", True, format_reward=0.1)[0] in (0.0, 1.0)  # correct or not, never shaped
 
 
 def test_pass_at_k_matches_brute_force():
@@ -503,6 +518,17 @@ def test_ma_advantages_worked_example():
     assert torch.allclose(answer, torch.tensor([[[0.5, -0.5], [-0.5, 0.5]]]) / (math.sqrt(1 / 3) + 1e-4))
 
 
+def test_ma_unanswered_thoughts_are_missing_not_zero():
+    # thought 0 answered [1, 0]; thought 1 never closed, so it has no answers
+    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
+    # V = [0.5, 0]: mean 0.25, unbiased std 0.3536
+    assert torch.allclose(thought, torch.tensor([[0.25, -0.25]]) / (math.sqrt(0.125) + 1e-4))
+    # the two real answers alone: mean 0.5, std 0.7071 -> +-0.7070 (zeros in their place would give +1.50, -0.50)
+    assert torch.allclose(answer[0, 0], torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
+    assert answer[0, 0].tolist() == pytest.approx([0.70700, -0.70700], abs=1e-5)
+    assert answer[0, 1].isnan().all()
+
+
 def test_ma_with_one_answer_is_grpo():
     r = torch.tensor([[1.0], [0], [1], [1], [0], [0], [0], [0]]).view(2, 4, 1)
     thought, answer = grpo.ma_advantages(r)
@@ -693,6 +719,161 @@ def test_every_variant_runs_a_step_on_both_families(pad_is_eos_model, variant, t
     assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
 
 # -----------------------------------------------------------------------------
+# The real Qwen tokenizer (data/qwen-tokenizer): Qwen2.5's BPE, where the tags split into pieces, and Qwen3's,
+# where <think> and </think> are single tokens; small random models at the real vocabulary.
+
+QWEN_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>: Qwen's generation config lists both
+
+
+@pytest.fixture(scope="module", params=["qwen2.5", "qwen3"])
+def qwen(request, tmp_path_factory):
+    """Folder with the real tokenizer and a random Qwen2 (for Qwen2.5) or Qwen3 model, ~5M parameters."""
+    import data.prepare as prepare
+    path = tmp_path_factory.mktemp(request.param)
+    tok = prepare.qwen_tokenizer(path, request.param)
+    torch.manual_seed(0)
+    arch = "qwen2" if request.param == "qwen2.5" else "qwen3"
+    model = prepare.build_model(tok, arch, hidden=32, layers=2, vocab_size=151936, eos=QWEN_EOS, max_positions=1024)
+    model.save_pretrained(path)
+    return path
+
+
+def qwen_pieces(folder, text):
+    tok = grpo.load_model(str(folder), torch.device("cpu"))[1]
+    return [tok.decode([i]) for i in tok(text, add_special_tokens=False).input_ids]
+
+
+def test_real_tokenizers_split_the_tags_as_the_issue_says(qwen):
+    pieces = qwen_pieces(qwen, "<think>1+2=3</think><answer>3</answer>")
+    if qwen.name.startswith("qwen2.5"):
+        assert pieces[8:13] == ["</", "think", "><", "answer", ">"]
+        assert qwen_pieces(qwen, "</think>\n\n<answer>")[:3] == ["</", "think", ">\n\n"]
+    else:
+        assert pieces[0] == "<think>" and pieces[6:8] == ["</think>", "<"]
+
+
+def test_real_chat_template_with_and_without_a_system_prompt(qwen):
+    model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
+    assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+    with_system = tok.decode(grpo.prompt_ids(tok, "12+34=", "be brief"))
+    assert with_system == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n12+34=<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    assert tok.decode(grpo.prompt_ids(tok, "12+34=", "")) == "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
+    assert grpo.eos_ids(model, tok) == sorted(QWEN_EOS)
+
+
+def test_real_completion_mask_with_both_eos_and_pad_equal_to_one_of_them(qwen):
+    model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
+    text = tok("<answer>3</answer>", add_special_tokens=False).input_ids
+    im_end, end_of_text = QWEN_EOS
+    ids = torch.tensor([text + [im_end, end_of_text, end_of_text],      # ended by <|im_end|>, padded
+                        text + [end_of_text] * 3,                        # ended by <|endoftext|> (= pad)
+                        text + tok("<think>", add_special_tokens=False).input_ids[:1] * 3])  # no EOS: truncated
+    mask, finished = grpo.completion_mask(ids, grpo.eos_ids(model, tok))
+    n = len(text)
+    assert mask.sum(1).tolist() == [n + 1, n + 1, n + 3] and finished.tolist() == [True, True, False]
+
+
+def test_real_stop_string_ends_mid_token():
+    """Qwen2.5: '</think><answer>' ends the thought on the token '><', '</think>\\n\\n' on '>\\n\\n'."""
+    import data.prepare as prepare
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        tok = prepare.qwen_tokenizer(folder, "qwen2.5")
+    for thought, tail, last in [("<think>1+2=3</think>", "<answer>3</answer>", "><"),
+                                ("<think>4+4=8</think>", "\n\n<answer>8</answer>", ">\n\n")]:
+        ids = tok(thought + tail, add_special_tokens=False).input_ids
+        mask, finished = grpo.completion_mask(torch.tensor([ids]), [151645], tok, ["</think>"])
+        kept = ids[:int(mask.sum())]
+        assert tok.decode(kept[-1:]) == last and finished.item()
+        assert tok.decode(kept).startswith(thought) and "</think>" not in tok.decode(kept[:-1])
+
+
+def test_real_reward_parsing_of_decoded_text(qwen):
+    tok = grpo.load_model(str(qwen), torch.device("cpu"))[1]
+    for text, reward in [("<think>7+8=15 c1 4+3+1=8</think><answer>85</answer>", 1.0),
+                         ("<think>\n7+8=15\n</think>\n\n<answer> 85 </answer>", 1.0),
+                         ("<think>x</think><answer>\\boxed{85}</answer>", 0.0),     # not a number inside the tags
+                         ("<think>x</think>\\boxed{85}", 1.0),
+                         ("<think><answer>85</answer></think><answer>84</answer>", 0.0)]:
+        ids = tok(text, add_special_tokens=False).input_ids + [QWEN_EOS[0]]
+        decoded = grpo.decode(tok, torch.tensor([ids]), torch.ones(1, len(ids)))[0]
+        assert decoded == text and grpo.score(decoded, "85", True)[0] == reward, text
+
+
+def test_real_lambda_weights_on_bpe_ids(qwen):
+    tok = grpo.load_model(str(qwen), torch.device("cpu"))[1]
+    texts = ["<think>7+8=15 c1</think><answer>85</answer>", "<think>7+8=15 c1</think><answer>84</answer>",
+             "<think>7+8=14 c1</think><answer>84</answer>", "<think>1+1=2</think><answer>2</answer>"]
+    rows = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    w = grpo.lambda_weights(ids, mask, 4)
+    assert torch.equal(w, trie_weights(ids, mask, 4))
+    # '<think>' (three BPE pieces in Qwen2.5, one token in Qwen3) is shared by all four, '7+8=1' by three
+    n4, n3 = (len(tok(t, add_special_tokens=False).input_ids) for t in ("<think>", "<think>7+8=1"))
+    assert w[0, :n3].tolist() == pytest.approx([1 / 4] * n4 + [1 / 3] * (n3 - n4)) and w[3, n4].item() == 1
+
+
+def test_real_ta_rows_are_anchored_on_q0(qwen):
+    model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
+    cfg = grpo.Config(variant="ta", num_generations=2, num_rephrasings=2, max_new_tokens=4)
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]
+    torch.manual_seed(0)
+    rows, _ = grpo.rollout_ta(model, tok, cfg, batch, random.Random(0))
+    for i in range(len(rows)):
+        q0 = batch[i // 6]["question"]
+        assert unpad(rows.context_ids[i], rows.context_mask[i]) == grpo.prompt_ids(tok, q0, cfg.system_prompt)
+
+
+@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
+def test_every_variant_runs_a_step_on_the_real_tokenizers(qwen, variant, tmp_path):
+    summary = grpo.main(["--model", str(qwen), "--variant", variant, "--steps", "1", "--out", str(tmp_path),
+                         "--prompts-per-step", "2", "--num-generations", "2", "--num-thoughts", "2",
+                         "--num-answers", "2", "--num-rephrasings", "1", "--max-new-tokens", "6",
+                         "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1"])
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+
+
+def knobbed(folder, tmp_path):
+    """A copy of a model folder whose generation config sets every sampling knob a hub config may carry."""
+    import shutil
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.1, top_p=0.2, top_k=3, min_p=0.5, typical_p=0.3,
+                  epsilon_cutoff=0.1, eta_cutoff=0.1, repetition_penalty=2.0, no_repeat_ngram_size=1,
+                  encoder_repetition_penalty=2.0, length_penalty=3.0, bad_words_ids=[[5], [6]], suppress_tokens=[7],
+                  begin_suppress_tokens=[8], min_new_tokens=5, max_new_tokens=2)
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
+    plain_model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
+    knob_model, _ = grpo.load_model(str(knobbed(qwen, tmp_path)), torch.device("cpu"))
+    assert knob_model.generation_config.min_p == 0.5
+    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "add 5 to 7"]] * 8
+    samples = []
+    for model in (plain_model, knob_model):
+        torch.manual_seed(0)
+        samples.append(grpo.sample(model, tok, prompts, 12, temperature=0.9, top_p=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(*samples))
+
+
+def test_prompt_longer_than_the_model_stops_before_training(tmp_path):
+    long = "what is " + "very " * 40 + "12 plus 34?"  # the tiny model has 256 positions
+    data = write(tmp_path, "long.jsonl", '{"question": "1+1=", "answer": "2"}\n' + json.dumps(
+        {"question": long, "answer": "46"}) + "\n")
+    stop = run("--data", data, "--out", str(tmp_path / "out"))
+    assert f"{data}:2: a prompt of " in stop and "+ 32 new tokens" in stop and "256 positions" in stop
+    assert "\n" not in stop
+    stop = run("--test-data", data, "--variant", "ma", "--out", str(tmp_path / "out"))
+    assert f"{data}:2:" in stop and "+ 44 new tokens" in stop  # ma: thought + answer budget
+
+
+# -----------------------------------------------------------------------------
 # Data parallel: two gloo processes against one process
 
 
@@ -724,7 +905,20 @@ def ddp_worker(rank, world, port, out):
         metrics = grpo.update(torch.nn.parallel.DistributedDataParallel(model), ref, opt, share, cfg, "cpu")
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
+    advantages = [grpo.on_global_batch(scheme, rewards.chunk(world)[rank], *args)
+                  for scheme, rewards, args in batch_scale_cases()]
+    torch.save(advantages, f"{out}/advantages{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def batch_scale_cases():
+    """Rewards of 4 prompts for each scheme, with --scale-rewards batch (TA ragged: one rephrasing missing)."""
+    g = torch.Generator().manual_seed(2)
+    ta = torch.randint(0, 2, (4, 3, 2), generator=g).float()
+    ta[1, 2] = math.nan
+    return [(grpo.group_advantages, torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0]), (2, "batch")),
+            (grpo.ma_advantages, torch.randint(0, 2, (4, 3, 2), generator=g).float(), ("batch",)),
+            (grpo.ta_advantages, ta, ("batch",))]
 
 
 def test_two_gloo_processes_update_like_one(tmp_path):
@@ -744,6 +938,15 @@ def test_two_gloo_processes_update_like_one(tmp_path):
             assert torch.allclose(ddp_state[k] - start[k], v - start[k], rtol=1e-3, atol=1e-7), (loss_type, k)
         assert ddp_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-7)
         assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
+    # --scale-rewards batch divides by the std of the global batch, not of each rank's half
+    tuples = lambda x: x if isinstance(x, tuple) else (x,)
+    rank0, rank1 = [torch.load(tmp_path / f"advantages{r}.pt") for r in range(2)]
+    for (scheme, rewards, args), part0, part1 in zip(batch_scale_cases(), rank0, rank1):
+        whole = tuples(scheme(rewards, *args))
+        for w, a, b in zip(whole, tuples(part0), tuples(part1)):
+            assert torch.allclose(torch.cat([a, b]), w, equal_nan=True)
+        local = tuples(scheme(rewards.chunk(2)[0], *args))  # what a rank's own std would give
+        assert not torch.allclose(local[0], whole[0][:len(local[0])], equal_nan=True)
 
 # -----------------------------------------------------------------------------
 # Benchmarks (python -m pytest -q -m bench -s): they print figures and assert nothing about speed.

@@ -118,17 +118,42 @@ def build_tokenizer():
     return tok
 
 
-def build_model(tokenizer, arch="qwen2", hidden=128, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+def build_model(tokenizer, arch="qwen2", hidden=128, layers=2, vocab_size=None, max_positions=256, eos=None):
+    """A randomly initialised Qwen2, Qwen3 or Llama model for `tokenizer` (vocab_size defaults to its length;
+    eos: the generation config's EOS ids, default the tokenizer's)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = config_cls(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                        head_dim=hidden // 4, max_position_embeddings=max_positions, tie_word_embeddings=True,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
     model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = eos or tokenizer.eos_token_id
     return model
+
+
+def qwen_tokenizer(folder, variant="qwen3"):
+    """Write the vendored real Qwen tokenizer (data/qwen-tokenizer, see its README) into `folder` and load it.
+    variant "qwen3": as shipped, <think> and </think> are single tokens; "qwen2.5": the added tokens from id
+    151665 on are dropped, as in Qwen2.5's vocabulary, so the tags split into ordinary BPE pieces."""
+    import lzma
+    from transformers import AutoTokenizer
+    if variant not in ("qwen3", "qwen2.5"):
+        raise ValueError(f"variant must be qwen3 or qwen2.5, got {variant!r}")
+    source, folder = HERE / "qwen-tokenizer", Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = json.loads(lzma.open(source / "tokenizer.json.xz").read())
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    if variant == "qwen2.5":
+        tokenizer_json["added_tokens"] = [t for t in tokenizer_json["added_tokens"] if t["id"] < 151665]
+        config["added_tokens_decoder"] = {k: v for k, v in config["added_tokens_decoder"].items() if int(k) < 151665}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def sft(model, tokenizer, train_pairs, rng, steps=400, batch_size=64, lr=2e-3, warmup=20):
