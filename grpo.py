@@ -48,7 +48,10 @@ import math
 import os
 import random
 import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
@@ -107,10 +110,12 @@ class Config:
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
     eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
+    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end); SIGTERM, Ctrl-C and crashes save too")
     eval_samples: int = _opt(8, "samples per held-out question for pass@k")
     eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
     out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
-    resume: bool = _opt(False, "continue from the checkpoint in --out")
+    resume: bool = _opt(False, "continue from the latest checkpoint in --out")
+    overwrite: bool = _opt(False, "replace a run already in --out (without it, such a folder stops the run)")
     seed: int = _opt(0, "seed for data order, sampling and init")
     device: str = _opt("auto", "auto picks cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
     gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
@@ -140,16 +145,23 @@ def parse_args(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    """Stop on impossible sizes with one line naming the flag."""
-    rules = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2), ("num_answers", 1),
-             ("num_rephrasings", 1), ("max_new_tokens", 1), ("max_answer_tokens", 1), ("num_iterations", 1),
-             ("micro_batch_size", 1), ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0),
-             ("eval_every", 0), ("eval_limit", 0)]
-    for name, low in rules:
+    """Stop on impossible values with one line naming the flag."""
+    at_least = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2), ("num_answers", 1),
+                ("num_rephrasings", 1), ("max_new_tokens", 1), ("max_answer_tokens", 1), ("num_iterations", 1),
+                ("micro_batch_size", 1), ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0),
+                ("eval_every", 0), ("eval_limit", 0), ("save_every", 0),
+                ("beta", 0.0), ("epsilon", 0.0), ("epsilon_high", 0.0), ("weight_decay", 0.0)]
+    above = ["lr", "temperature", "max_grad_norm"]
+    for name in ["lr", "temperature", "top_p", "beta", "epsilon", "epsilon_high", "format_reward", "weight_decay",
+                 "max_grad_norm"]:
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
+    for name, low in at_least:
         if getattr(cfg, name) < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
-    if cfg.temperature <= 0:
-        raise ConfigError(f"--temperature must be > 0, got {cfg.temperature}")
+    for name in above:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
     if not 0 < cfg.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
 
@@ -168,10 +180,14 @@ def load_jsonl(path) -> list[Row]:
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
@@ -801,32 +817,56 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
 
 
 def pick_device(name: str) -> torch.device:
-    """--device: auto picks cuda, then mps, then cpu."""
+    """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available on this machine")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device mps: MPS is not available on this machine")
     return torch.device(name)
 
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; left padding, a pad token, fp32 weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ConfigError(f"--model {path}: no such folder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {path}: cannot load a model and tokenizer there ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # a missing, corrupt or empty file: say which folder, in one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--model {path}: cannot load a model and tokenizer there ({reason})") from None
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
 
 
-def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config):
-    """save_pretrained of model and tokenizer, plus optimizer, schedule, step and config in state.pt."""
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "config": asdict(cfg)}, out / "state.pt")
+def checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints in a run folder, oldest first (a save in progress is '*.tmp')."""
+    found = [p for p in out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config) -> Path:
+    """Write out/checkpoint-<step>: save_pretrained of model and tokenizer, plus optimizer, schedule, step
+    and config in state.pt. Atomic: everything goes to a temporary folder that is renamed when complete,
+    so a save that dies half-way leaves the previous checkpoint as it was; then older ones are removed."""
+    final = out / f"checkpoint-{step}"
+    if not final.is_dir():
+        tmp = out / f"checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "config": asdict(cfg)}, tmp / "state.pt")
+        os.replace(tmp, final)
+    for old in checkpoints(out):
+        if old != final:
+            shutil.rmtree(old)
+    return final
 
 
 def train_step(model, policy, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int, device) -> dict:
@@ -863,14 +903,67 @@ def setup_distributed(cfg: Config):
     return rank, device
 
 
-def load_run(cfg: Config, device):
-    """Policy, tokenizer, reference (only when beta > 0), optimizer and schedule, and the step to start
-    from (from the checkpoint in --out with --resume)."""
+# Flags that a resumed run may change: where and how it runs and evaluates, not what it trains.
+RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eval_samples", "eval_limit",
+             "test_data", "save_every", "micro_batch_size", "gradient_checkpointing"}
+
+
+def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
+    """Check the run folder: a folder that already holds a run is only continued (--resume) or replaced
+    (--overwrite), never silently reused. Returns the checkpoint to resume from, if any."""
     out = Path(cfg.out)
-    if cfg.resume and not (out / "state.pt").is_file():
-        raise ConfigError(f"--resume: no checkpoint in {out} ({out / 'state.pt'} is missing)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file, not a folder")
+    found = sorted(p.name for p in out.glob("*") if p.name in ("metrics.jsonl", "summary.json", "state.pt")
+                   or p.name.startswith("checkpoint-")) if out.is_dir() else []
+    if cfg.resume:
+        if not checkpoints(out):
+            raise ConfigError(f"--resume: no checkpoint in {out} (no {out}/checkpoint-<step> folder)")
+        return checkpoints(out)[-1]
+    if found and not cfg.overwrite:
+        raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume "
+                          f"or replace it with --overwrite")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    for name in found if main_rank else []:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    return None
+
+
+def load_state(checkpoint: Path, cfg: Config) -> dict:
+    """state.pt of a checkpoint (tensors and plain values only: weights_only, so a run folder from elsewhere
+    cannot run code), after checking that the flags keep the run's meaning and --steps goes further."""
+    path = checkpoint / "state.pt"
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--resume: {path} is not a checkpoint this file wrote ({reason})") from None
+    saved, now = Config(**{**asdict(cfg), **state["config"]}), cfg
+    same = lambda a, b: a == b or (isinstance(a, str) and os.path.exists(a) and os.path.samefile(a, b))
+    may_change = RESUMABLE - ({"micro_batch_size"} if cfg.loss_type == "bnpo" else set())  # bnpo: per micro-batch
+    differ = [f.name for f in fields(Config)
+              if f.name not in may_change and not same(getattr(saved, f.name), getattr(now, f.name))]
+    if differ:
+        change = ", ".join(f"--{n.replace('_', '-')} {getattr(saved, n)} -> {getattr(now, n)}" for n in differ)
+        raise ConfigError(f"--resume: {change} would change what the run in {checkpoint.parent} means; "
+                          f"keep its flags or start a new run in another --out")
+    finished = (checkpoint.parent / "summary.json").exists()
+    if cfg.steps < state["step"] or (cfg.steps == state["step"] and finished):
+        raise ConfigError(f"--resume: the run is at step {state['step']}; --steps {cfg.steps} must be larger")
+    return state
+
+
+def load_run(cfg: Config, device, checkpoint: Path | None):
+    """Policy, tokenizer, reference (only when beta > 0), optimizer and schedule, and the step to start
+    from (the checkpoint's, when resuming)."""
+    state = load_state(checkpoint, cfg) if checkpoint else None
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(str(out) if cfg.resume else cfg.model, device)
+    model, tokenizer = load_model(str(checkpoint) if checkpoint else cfg.model, device)
     ref_model = None
     if cfg.beta > 0:  # the frozen starting policy
         ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
@@ -879,13 +972,73 @@ def load_run(cfg: Config, device):
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1)))
-    start = 0
-    if cfg.resume:
-        state = torch.load(out / "state.pt", weights_only=False)
+    if state:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        start = state["step"]
-    return model, tokenizer, ref_model, optimizer, scheduler, start
+    return model, tokenizer, ref_model, optimizer, scheduler, state["step"] if state else 0
+
+
+class Interrupted(Exception):
+    """SIGTERM (what Slurm and Kubernetes send before they stop a job) or Ctrl-C."""
+
+
+# From the optimizer's first step in a training step until the step counter says so, the weights are ahead
+# of the counter: a signal arriving then is held until the step is counted, so a checkpoint never pairs N
+# updates with step N-1; an exception arriving then cannot be saved from.
+_signals = {"weights_ahead": False, "held": None}
+
+
+def _on_signal(signum, frame):
+    name = signal.Signals(signum).name
+    if _signals["weights_ahead"]:
+        _signals["held"] = name
+    else:
+        raise Interrupted(name)
+
+
+def step_counted():
+    """The weights and the counter agree again: raise a signal held meanwhile."""
+    _signals["weights_ahead"] = False
+    held, _signals["held"] = _signals["held"], None
+    if held:
+        raise Interrupted(held)
+
+
+@contextlib.contextmanager
+def signals_handled(optimizer):
+    """Turn SIGTERM and Ctrl-C into Interrupted (in the main thread) and mark every optimizer step as the
+    start of 'weights ahead of the counter'; restore the previous handlers afterwards."""
+    def ahead(*args):
+        _signals["weights_ahead"] = True
+    hook = optimizer.register_step_pre_hook(ahead)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    try:
+        yield
+    finally:
+        hook.remove()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _signals.update(weights_ahead=False, held=None)
+
+
+def finite(record: dict) -> dict:
+    """NaN and infinities -> None (null), recursively: metrics.jsonl stays strict JSON."""
+    clean = lambda v: finite(v) if isinstance(v, dict) else None if isinstance(v, float) and not math.isfinite(v) else v
+    return {k: clean(v) for k, v in record.items()}
+
+
+def open_metrics(out: Path, resume_from: int | None):
+    """metrics.jsonl for appending. A resumed run first drops what came after its checkpoint (steps it will
+    redo, and the eval at the checkpoint's step, which it redoes), so the file reads as one run."""
+    path = out / "metrics.jsonl"
+    if resume_from is not None and path.exists():
+        start = resume_from
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = [r for r in lines if r["step"] < start or (r["step"] == start and "eval" not in r)]
+        (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(out / "metrics.jsonl.tmp", path)
+    return open(path, "a")
 
 
 def train(cfg: Config) -> dict:
@@ -898,67 +1051,77 @@ def train(cfg: Config) -> dict:
         raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
     rank, device = setup_distributed(cfg)
     W, main_rank = world_size(), rank == 0
-    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device)
+    checkpoint = prepare_out(cfg, main_rank)
+    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device, checkpoint)
     max_positions = model.config.max_position_embeddings
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     policy = model if W == 1 else torch.nn.parallel.DistributedDataParallel(model)  # forward for gradients
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w") if main_rank else None
-    write = lambda record: main_rank and (log.write(json.dumps(record) + "\n"), log.flush())
+    log = open_metrics(out, start if checkpoint else None) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
 
-    def run_eval():  # rank 0 evaluates while the others wait
-        with autocast:
-            result = evaluate(model, tokenizer, test_rows, cfg, eval_seed) if main_rank else None
-        if W > 1:
-            torch.distributed.barrier()
-        return result
+    def write(record):
+        if main_rank:
+            log.write(json.dumps(finite(record), allow_nan=False) + "\n")
+            log.flush()
+
+    def run_eval(step):  # at step 0, every --eval-every steps and at the end; rank 0 evaluates, the others wait
+        if step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            with autocast:
+                write({"step": step, "eval": evaluate(model, tokenizer, test_rows, cfg, eval_seed) if main_rank else None})
+            if W > 1:
+                torch.distributed.barrier()
 
     t0 = time.time()
-    before = run_eval()
-    write({"step": start, "eval": before})
-    step, timings = start, []
-    bar = tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True, disable=not main_rank)
-    try:
-        for step in bar:
-            with autocast:
-                metrics = train_step(model, policy, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
-            scheduler.step()
-            timings.append({k: v for k, v in metrics.items() if k.startswith("time/")})
-            write({"step": step + 1, "lr": scheduler.get_last_lr()[0], **metrics})
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", s=f"{metrics['time/step']:.2f}")
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                write({"step": step + 1, "eval": run_eval()})
-        step = cfg.steps
-    except KeyboardInterrupt:
-        if main_rank:
-            save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
-        sys.exit(f"interrupted at step {step}: checkpoint saved in {out}; continue with --resume")
-    bar.close()
-    if main_rank:
-        save_checkpoint(out, model, tokenizer, optimizer, scheduler, step, cfg)
-    after = run_eval()
+    done = start  # completed steps: the weights are those of step `done`
+    with signals_handled(optimizer):
+        try:
+            run_eval(start)
+            for step in tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True, disable=not main_rank):
+                with autocast:
+                    metrics = train_step(model, policy, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
+                scheduler.step()
+                done = step + 1
+                write({"step": done, "lr": scheduler.get_last_lr()[0], **metrics})
+                step_counted()
+                if main_rank and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+                    save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+                run_eval(done)
+        except Interrupted as e:
+            where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg) if main_rank else out
+            sys.exit(f"grpo.py: {e} after step {done}: checkpoint saved in {where}; continue with --resume")
+        except BaseException:
+            if main_rank and not _signals["weights_ahead"]:
+                where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+                print(f"grpo.py: step {done + 1} failed; the checkpoint of step {done} is in {where}", file=sys.stderr)
+            elif main_rank:
+                print(f"grpo.py: step {done + 1} failed while the optimizer was changing the weights; "
+                      f"nothing saved (the last checkpoint in {out} stands)", file=sys.stderr)
+            raise
     if W > 1:
         torch.distributed.destroy_process_group()
-    return report(cfg, before, after, step, time.time() - t0, timings, write) if main_rank else None
+    return report(cfg, time.time() - t0) if main_rank else None
 
 
-def report(cfg: Config, before, after, steps, wall_s, timings, write) -> dict:
-    """Print and save the end-of-run summary: eval before -> after and the median phase times."""
-    phases = {k[5:]: float(np.median([t[k] for t in timings])) for k in (timings[0] if timings else {})}
-    summary = {"variant": cfg.variant, "steps": steps, "before": before, "after": after, "wall_s": wall_s,
+def report(cfg: Config, wall_s: float) -> dict:
+    """Print and save the end-of-run summary from metrics.jsonl: the run's first and last eval (a resumed
+    run included) and the median phase times."""
+    lines = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval"] for r in lines if "eval" in r]
+    steps = [r for r in lines if "time/step" in r]
+    phases = {k[5:]: float(np.median([r[k] for r in steps])) for k in (steps[0] if steps else {}) if k.startswith("time/")}
+    before, after = evals[0], evals[-1]
+    summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after, "wall_s": wall_s,
                "median_seconds_per_step": phases}
-    write({"step": steps, "eval": after, "summary": summary})
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     if phases:
         print("median seconds per step:\n" + "\n".join(f"  {k:<8} {v:7.3f}" for k, v in phases.items()))
-    n = cfg.eval_samples
+    k = f"pass@{cfg.eval_samples}"
     print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
           f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
-          f"pass@{n} {before[f'pass@{n}']:.3f} -> {after[f'pass@{n}']:.3f} | {wall_s:.0f} s")
+          f"{k} {before.get(k, math.nan):.3f} -> {after.get(k, math.nan):.3f} | {wall_s:.0f} s")
     return summary
 
 # -----------------------------------------------------------------------------

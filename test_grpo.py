@@ -3,7 +3,11 @@
 import itertools
 import json
 import math
+import os
 import random
+import re
+import signal
+import time
 from fractions import Fraction
 from math import comb
 from pathlib import Path
@@ -268,9 +272,17 @@ def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
     (["--variant", "ppo"], "argument --variant: invalid choice: 'ppo'"),
     (["--num-generations", "1"], "--num-generations must be >= 2, got 1"),
     (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
-    (["--model", "/nonexistent/model"], "--model /nonexistent/model: cannot load"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
     (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: no such data file"),
     (["--resume", "--out", "/nonexistent/run"], "--resume: no checkpoint in /nonexistent/run"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--beta", "-1"], "--beta must be >= 0.0, got -1.0"),
+    (["--epsilon", "-0.1"], "--epsilon must be >= 0.0, got -0.1"),
+    (["--epsilon-high", "inf"], "--epsilon-high must be a finite number, got inf"),
+    (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
+    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "mps"], "is not available on this machine"),
 ])
 def test_bad_flags_stop_with_one_line(flags, message):
     stop = run(*flags)
@@ -306,13 +318,13 @@ def test_tiny_tokenizer_and_model_reload(tiny):
 def test_short_run_changes_weights_writes_metrics_and_resumes(tmp_path):
     out = tmp_path / "run"
     flags = ["--out", str(out), "--prompts-per-step", "4", "--num-generations", "4", "--eval-limit", "8",
-             "--eval-samples", "2", "--warmup-steps", "0", "--lr", "1e-3"]
-    summary = grpo.main(flags + ["--steps", "3", "--num-iterations", "2", "--beta", "0.05"])
-    start, after = load_file(TINY / "model.safetensors"), load_file(out / "model.safetensors")
+             "--eval-samples", "2", "--warmup-steps", "0", "--lr", "1e-3", "--num-iterations", "2", "--beta", "0.05"]
+    summary = grpo.main(flags + ["--steps", "3"])
+    start, after = load_file(TINY / "model.safetensors"), load_file(out / "checkpoint-3" / "model.safetensors")
     assert any(not torch.equal(start[k], after[k]) for k in start)
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "reward" in l]
-    assert [l["step"] for l in steps] == [1, 2, 3]
+    assert [l["step"] for l in steps] == [1, 2, 3] and [l["step"] for l in lines if "eval" in l] == [0, 3]
     for key in ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "completion_length_max",
                 "truncated", "unparseable", "kl", "clip_low", "clip_high", "grad_norm", "tokens_per_s", "time/step"]:
         assert all(key in l for l in steps), key
@@ -320,6 +332,7 @@ def test_short_run_changes_weights_writes_metrics_and_resumes(tmp_path):
     summary = grpo.main(flags + ["--steps", "4", "--resume"])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines if "reward" in l] == [1, 2, 3, 4] and summary["steps"] == 4
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]  # older checkpoints are removed
 
 
 def test_seeded_run_raises_held_out_accuracy(tmp_path):
@@ -327,6 +340,221 @@ def test_seeded_run_raises_held_out_accuracy(tmp_path):
                          "--eval-samples", "4", "--seed", "1"])
     gain = summary["after"]["pass@1"] - summary["before"]["pass@1"]
     assert gain > 0.15, summary
+
+# -----------------------------------------------------------------------------
+# Never lose a run: checkpoints, SIGTERM, crashes, protected folders, checked resumes
+
+SMALL = ["--prompts-per-step", "2", "--num-generations", "2", "--num-iterations", "2", "--eval-limit", "4",
+         "--eval-samples", "2", "--max-new-tokens", "24", "--eval-every", "2", "--save-every", "2", "--lr", "1e-3",
+         "--warmup-steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 5 steps without a stop."""
+    out = tmp_path_factory.mktemp("whole")
+    grpo.main(SMALL + ["--out", str(out), "--steps", "5"])
+    return out
+
+
+def assert_same_run(out, reference):
+    """Same final weights (bit for bit) and the same metrics lines, timings aside."""
+    a, b = load_file(out / "checkpoint-5" / "model.safetensors"), load_file(reference / "checkpoint-5" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    untimed = lambda path: [{k: v for k, v in json.loads(l).items() if "time" not in k and "per_s" not in k}
+                            for l in (path / "metrics.jsonl").read_text().splitlines()]
+    assert untimed(out) == untimed(reference)
+    assert json.loads((out / "summary.json").read_text())["before"] == json.loads(
+        (reference / "summary.json").read_text())["before"]
+
+
+def fire_on_call(monkeypatch, owner, name, call, action):
+    """Wrap owner.name so that its `call`-th call (1-based) runs action() first."""
+    original, count = getattr(owner, name), {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == call:
+            action()
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+# where the signal lands -> the step saved: before step 3's update, between step 3's two optimizer steps (the
+# signal waits until the step is counted), in step 2's eval, and in the middle of writing checkpoint-2
+@pytest.mark.parametrize("phase,call,saved,signum", [
+    ("update", 3, 2, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGTERM), ("evaluate", 2, 2, signal.SIGTERM),
+    ("torch.save", 1, 2, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGINT)])
+def test_sigterm_in_any_phase_saves_the_right_step_and_resumes_exactly(phase, call, saved, signum, uninterrupted,
+                                                                       tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    owner = torch if phase == "torch.save" else grpo
+    fire_on_call(monkeypatch, owner, phase.split(".")[-1], call, lambda: os.kill(os.getpid(), signum))
+    stop = run(*SMALL, "--out", str(out), "--steps", "5")
+    assert stop == f"grpo.py: {signum.name} after step {saved}: checkpoint saved in {out / f'checkpoint-{saved}'}; " \
+                   f"continue with --resume"
+    assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{saved}"]
+    monkeypatch.undo()
+    grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_sigterm_at_a_random_moment_in_a_real_process(uninterrupted, tmp_path):
+    """grpo.py in a subprocess gets SIGTERM at a random moment after its first eval; the resumed run ends with
+    the same weights as the uninterrupted one."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "grpo.py", *SMALL, "--out", str(out), "--steps", "5"], cwd=HERE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    time.sleep(random.Random().uniform(0.0, 0.6))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    stopped = re.search(r"SIGTERM after step (\d+)", stderr)
+    assert proc.returncode == (1 if stopped else 0), stderr
+    if stopped:  # it may have finished first on a fast machine; then there is nothing to resume
+        assert (out / f"checkpoint-{stopped.group(1)}" / "state.pt").is_file()
+        grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_an_exception_in_a_step_saves_the_last_completed_step(uninterrupted, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    def boom():
+        raise RuntimeError("out of memory (simulated)")
+    fire_on_call(monkeypatch, grpo, "update", 4, boom)  # step 4 fails before its update: step 3 is saved
+    with pytest.raises(RuntimeError, match="simulated"):
+        grpo.main(SMALL + ["--out", str(out), "--steps", "5"])
+    assert f"step 4 failed; the checkpoint of step 3 is in {out / 'checkpoint-3'}" in capsys.readouterr().err
+    monkeypatch.undo()
+    grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_an_exception_while_the_weights_change_keeps_the_last_checkpoint(uninterrupted, tmp_path, monkeypatch,
+                                                                         capsys):
+    out = tmp_path / "run"
+    def boom():
+        raise RuntimeError("out of memory (simulated)")
+    fire_on_call(monkeypatch, grpo, "policy_loss", 6, boom)  # step 3, after its first optimizer step
+    with pytest.raises(RuntimeError, match="simulated"):
+        grpo.main(SMALL + ["--out", str(out), "--steps", "5"])
+    assert "nothing saved (the last checkpoint" in capsys.readouterr().err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    monkeypatch.undo()
+    grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_save_that_dies_half_way_leaves_the_previous_checkpoint(uninterrupted, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        grpo.main(SMALL + ["--out", str(out), "--steps", "5"])
+    assert (out / "checkpoint-2" / "state.pt").is_file() and not (out / "checkpoint-4").exists()
+    monkeypatch.undo()
+    grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
+    assert_same_run(out, uninterrupted)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_a_run_folder_is_protected_and_resumes_check_their_flags(tmp_path):
+    out = str(tmp_path / "run")
+    grpo.main(SMALL + ["--out", out, "--steps", "3"])
+    assert run(*SMALL, "--out", out, "--steps", "3") == (
+        f"grpo.py: error: --out {out} already holds a run (checkpoint-3, metrics.jsonl, summary.json); "
+        f"continue it with --resume or replace it with --overwrite")
+    for flags, message in [(["--lr", "1e-6"], "--lr 0.001 -> 1e-06 would change what the run"),
+                           (["--variant", "ma", "--beta", "0.1"], "--variant grpo -> ma, --beta 0.0 -> 0.1"),
+                           (["--steps", "3"], "the run is at step 3; --steps 3 must be larger"),
+                           (["--steps", "2"], "the run is at step 3; --steps 2 must be larger"),
+                           (["--model", str(TINY) + "/."], None)]:  # the same folder, written differently
+        stop = run(*SMALL, "--out", out, "--resume", *(flags if "--steps" in flags else flags + ["--steps", "4"]))
+        if message is None:
+            assert stop is None
+            continue
+        assert stop.startswith("grpo.py: error: --resume: ") and message in stop and "\n" not in stop, stop
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert run(*SMALL, "--out", out, "--steps", "1", "--overwrite") is None
+    assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
+    assert len(lines) > 3
+
+
+def test_resume_never_unpickles_code(tmp_path):
+    out = tmp_path / "run"
+    grpo.main(SMALL + ["--out", str(out), "--steps", "2"])
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    torch.save({"step": 2, "evil": Evil()}, out / "checkpoint-2" / "state.pt")
+    stop = run(*SMALL, "--out", str(out), "--steps", "3", "--resume")
+    assert "state.pt is not a checkpoint this file wrote" in stop and "\n" not in stop
+    assert not marker.exists()
+
+
+def broken_model(tmp_path, content):
+    import shutil
+    shutil.copytree(TINY, tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").write_bytes(content)
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("case", ["non-utf8", "corrupt weights", "empty weights", "out is a file",
+                                  "out under a file"])
+def test_bad_files_stop_with_one_line(case, tmp_path):
+    data, model, out = str(HERE / "data" / "train.jsonl"), str(TINY), str(tmp_path / "out")
+    if case == "non-utf8":
+        data = str(tmp_path / "bad.jsonl")
+        Path(data).write_bytes(b'{"question": "1+1=", "answer": "2"}\n{"question": "caf\xe9", "answer": "2"}\n')
+        expected = f"{data}:2: not UTF-8 (byte 0xe9 at column 18)"
+    elif case in ("corrupt weights", "empty weights"):
+        model = broken_model(tmp_path, b"\x00garbage" * 10 if case == "corrupt weights" else b"")
+        expected = f"--model {model}: cannot load a model and tokenizer there ("
+    else:
+        (tmp_path / "file").write_text("x")
+        out = str(tmp_path / "file") if case == "out is a file" else str(tmp_path / "file" / "run")
+        expected = f"--out {out}: is a file, not a folder" if case == "out is a file" else f"--out {out}: cannot write"
+    stop = run("--data", data, "--model", model, "--out", out, "--steps", "1")
+    assert stop.startswith("grpo.py: error: ") and expected in stop and "\n" not in stop, stop
+
+
+HOSTILE = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "{", "}", "\\frac{", "/", "-", "+", ".", ",",
+           "0", "1", "9", "٣", "¹", "①", "𝟙", "١٢", "\x00", "\u202e", "e", "E5", "nan", "inf", "$", " ", "\n", "1/0",
+           "9" * 5000, "1" * 4301 + "/" + "7" * 4301, "\\frac{" + "9" * 5000 + "}{1}"]
+
+
+def test_score_never_raises_on_hostile_text():
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice(HOSTILE) for _ in range(rng.randrange(1, 12)))
+        reward, parsed = grpo.score(text, rng.choice(["85", "-3/4", "x", "1" * 5000]), rng.random() < 0.9, 0.1)
+        assert reward in (0.0, 0.1, 1.0, 1.1) and parsed in (True, False)
+    assert grpo.score("<answer>" + "9" * 5000 + "</answer>", "85", True) == (0.0, False)
+    assert grpo.score("\\boxed{" * 3000 + "85", "85", True) == (0.0, False)  # unbalanced, deeply nested
+
+
+def test_metrics_are_strict_json_when_a_ta_batch_has_no_rephrasings(tmp_path):
+    data = write(tmp_path, "ta.jsonl", "".join(json.dumps(r) + "\n" for r in [
+        {"question": "12+34=", "answer": "46", "rephrasings": ["what is 12 plus 34?"]},
+        {"question": "11+11=", "answer": "22"}, {"question": "10+13=", "answer": "23"}]))
+    grpo.main(SMALL + ["--variant", "ta", "--data", data, "--prompts-per-step", "1", "--steps", "4",
+                       "--out", str(tmp_path / "run")])
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    lines = [json.loads(l, parse_constant=reject) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(l.get("reward_rephrased", 0) is None for l in lines)  # a batch without rephrasings happened
+
 
 # -----------------------------------------------------------------------------
 # λ-GRPO
