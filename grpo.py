@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~2 min)
+    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~40 s)
     python grpo.py --variant lambda                  # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl --test-data my_test.jsonl \\
         --max-new-tokens 512 --lr 1e-6 --gradient-checkpointing    # one GPU, bf16 autocast
@@ -26,15 +26,16 @@ log-probs are taken), completion ids and mask, an advantage (per row or per toke
 weights. A variant is a function that samples and fills rows; `update()` does not know which variant made them.
 
 What is simplified versus the papers (honestly):
-- Generation is HF `model.generate` with a KV cache, not vLLM; one process samples and trains (no colocated
-  inference engine), so it is meant for models up to ~1-3B on one GPU.
+- Sampling is a short KV-cache loop of our own over the model's forward (each distinct prompt prefilled once,
+  its cache copied to its G continuations, finished rows dropped), not vLLM: no paged attention, no continuous
+  batching, and one process samples and trains, so it is meant for models up to ~1-3B on one GPU. The update
+  encodes each shared context once too, except with --gradient-checkpointing (HF drops the KV cache then).
 - The reward is exact-match of the last <answer>...</answer> (or \\boxed{...}) after simple number
   normalisation, not math_verify; an unfinished completion (no EOS within --max-new-tokens) scores 0.
 - No LoRA; the reference model, when beta > 0, is a full frozen copy.
-- GRPO-MA: thoughts that never close with </think> are not continued; their M answers score 0 (documented
-  in rollout_ma). The paper's weighting between thought and answer tokens is not published; here every
-  thought and answer token goes through the same loss aggregation (see rollout_ma). The M answers of a
-  thought each prefill prompt + thought again (no shared KV cache).
+- GRPO-MA: thoughts that never close with </think> are not continued: value 0, their answers missing
+  (documented in rollout_ma). The paper's weighting between thought and answer tokens is not published; here every
+  thought and answer token goes through the same loss aggregation (see rollout_ma).
 - TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py rephrase`
   makes them with a local model) instead of GPT-4-Turbo.
 - λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
@@ -43,6 +44,7 @@ What is simplified versus the papers (honestly):
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -292,7 +294,8 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0)
     return float(correct) + format_reward * shaped, parsed
 
 # -----------------------------------------------------------------------------
-# Sampler: batched, left-padded, KV-cached generation; returns completions and their masks.
+# Sampler: prefill each distinct context once, copy its KV cache to the rows that continue it, then decode
+# token by token, dropping rows from the batch as they finish.
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -313,64 +316,152 @@ def left_pad(seqs: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def completion_mask(completion_ids, eos, tokenizer=None, stop_strings=None):
-    """(B, C) mask of the tokens up to and including the first EOS or the token that completes a stop
-    string, plus (B,) finished flags. Never `!= pad`: real tokenizers often have pad == eos, and generate
-    pads a stopped row with pad, which would look like an EOS the model never chose."""
-    B, C = completion_ids.shape
-    ends = torch.full((B,), C, dtype=torch.long)
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)).cpu()
-    has_eos = is_eos.any(1)
-    ends[has_eos] = is_eos.int().argmax(1)[has_eos]
-    if stop_strings:
-        pieces = tokenizer.batch_decode(completion_ids.reshape(-1, 1).cpu())  # each token's text
-        for i in range(B):
-            row = pieces[i * C:(i + 1) * C]
-            cum = np.cumsum([len(p) for p in row])
-            text = "".join(row)
-            hits = [text.find(s) + len(s) for s in stop_strings if s in text]
-            if hits:
-                ends[i] = min(ends[i], int(np.searchsorted(cum, min(hits))))
-    positions = torch.arange(C)[None, :]
-    return (positions <= ends[:, None]).long().to(completion_ids.device), ends < C
+def run_decoder(model, input_ids, attention_mask, cache=None):
+    """The transformer (Qwen2, Qwen3, Llama: model.model, without the lm_head) over input_ids (B, T) that
+    follow the tokens in `cache` (a transformers DynamicCache, grown in place, or None); attention_mask
+    (B, L + T) covers the cached and the new tokens, with padding (0) anywhere. Returns the final hidden
+    states (B, T, H) and the cache."""
+    from transformers import DynamicCache
+    decoder = model.model
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # padding takes no place
+    cache = DynamicCache() if cache is None else cache
+    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"  # < 5.2x
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                  **{name: cache})
+    return out.last_hidden_state, cache
+
+
+def kv_of(cache) -> list:
+    """A cache's tensors: per layer (keys, values), each (B, heads, L, head_dim)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def cache_of(kv: list | None):
+    """A transformers DynamicCache holding these tensors (None: an empty cache)."""
+    from transformers import DynamicCache
+    return DynamicCache(ddp_cache_data=kv) if kv else None
+
+
+@dataclass
+class Prefix:
+    """Contexts ready to be continued: the KV cache of all their tokens but the last one, and that last
+    token, which the next forward pass takes as input (its output predicts the first new token)."""
+    kv: list | None      # per layer (keys, values), each (B, heads, L, head_dim)
+    mask: torch.Tensor   # (B, L) 1 where the cache holds a real token, 0 for padding
+    last: torch.Tensor   # (B,)
+
+    def select(self, index) -> "Prefix":
+        """Rows `index` of the prefix (repeated indices copy a context to several continuations)."""
+        kv = None if self.kv is None else [(k[index], v[index]) for k, v in self.kv]
+        return Prefix(kv, self.mask[index], self.last[index])
+
+
+def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
+    """Encode each prompt (token ids) once, left-padded; with gradients if they are enabled."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    kv = kv_of(run_decoder(model, ids[:, :-1], mask[:, :-1])[1]) if ids.shape[1] > 1 else None
+    return Prefix(kv, mask[:, :-1], ids[:, -1])
+
+
+def pick(logits, temperature: float, top_p: float, greedy: bool):
+    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), the
+    distribution the loss's log-probs see, cut to its top-p nucleus when top_p < 1."""
+    if greedy:
+        return logits.argmax(-1)
+    probs = (logits / temperature).softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the tokens before it already reach top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+@dataclass
+class Samples:
+    completion_ids: torch.Tensor   # (B, C) right-padded with pad
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the token that ended the row
+    finished: torch.Tensor         # (B,) ended with EOS
+    stopped: torch.Tensor          # (B,) ended with the token whose text completed a stop string
+    prefix: Prefix | None = None   # keep=True: every row as a prefix, ready to be continued
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature=1.0, top_p=1.0,
-           greedy=False, stop_strings=None, batch_size=512):
-    """Sample one completion per prompt (token-id lists). Returns completion_ids (B, C), completion_mask
-    (B, C) and finished (B,). Seed torch beforehand for reproducible samples."""
+def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False,
+           stop_strings=(), keep=False) -> Samples:
+    """Continue every row of `prefix` by up to max_new_tokens tokens. A row ends at an EOS token (any of
+    eos_ids), at the token whose text completes a stop string (even when that token carries more text,
+    as BPE's '><' in '</think><answer>'), or at the length limit; ended rows leave the decode batch. Only
+    temperature and top-p shape the draw: nothing of the model's generation config but its EOS ids.
+    keep=True also returns every row as a Prefix (GRPO-MA continues its thoughts with answers).
+    Seed torch beforehand for reproducible samples."""
     was_training = model.training
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    model.eval()
-    if checkpointing:  # with checkpointing on, generate silently turns the KV cache off
-        model.gradient_checkpointing_disable()
-    eos = eos_ids(model, tokenizer)
-    # only EOS and pad come from the model's generation config: a hub config's top-k, min-p, typical-p,
-    # repetition or n-gram penalties would sample from a policy that the log-probs of the loss never see
-    from transformers import GenerationConfig
-    hub_config = model.generation_config
-    model.generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=not greedy,
-        **({} if greedy else dict(temperature=temperature, top_p=top_p, top_k=0)))
+    model.eval()  # also turns off HF's gradient checkpointing, which would drop the KV cache
     device = next(model.parameters()).device
-    chunks = []
-    try:
-        for i in range(0, len(prompts), batch_size):
-            ids, mask = left_pad(prompts[i:i + batch_size], tokenizer.pad_token_id)
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), stop_strings=stop_strings,
-                                 tokenizer=tokenizer if stop_strings else None)
-            chunks.append(out[:, ids.shape[1]:])
-    finally:
-        model.generation_config = hub_config
-    C = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([torch.nn.functional.pad(c, (0, C - c.shape[1]), value=tokenizer.pad_token_id)
-                                for c in chunks])
-    mask, finished = completion_mask(completion_ids, eos, tokenizer, stop_strings)
+    eos = torch.tensor(eos_ids(model, tokenizer), device=device)
+    B = len(prefix.last)
+    ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    texts = [""] * B  # the text of each row so far, for stop strings
+    rows = torch.arange(B, device=device)  # the rows still being decoded
+    cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
+    ended_rows, ended_prefixes = [], []
+    for t in range(max_new_tokens):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        hidden, cache = run_decoder(model, token[:, None], mask, cache)
+        token = pick(model.lm_head(hidden[:, -1]).float(), temperature, top_p, greedy)
+        ids[rows, t] = token
+        lengths[rows] += 1
+        ended = torch.isin(token, eos)
+        finished[rows[ended]] = True
+        if stop_strings:
+            pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
+            for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
+                texts[row] += piece
+                window = texts[row][-(len(piece) + max(map(len, stop_strings))):]  # where a new match can be
+                if not ended[i] and any(s in window for s in stop_strings):
+                    stopped[row] = ended[i] = True
+        if t == max_new_tokens - 1:
+            ended[:] = True
+        if not ended.any():
+            continue
+        if keep:
+            ended_rows.append(rows[ended])
+            ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended))
+        go = ~ended
+        rows, mask, token = rows[go], mask[go], token[go]
+        if not len(rows):
+            break
+        cache.batch_select_indices(go.nonzero().squeeze(1))  # finished rows leave the batch
+    C = int(lengths.max())
+    completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
     model.train(was_training)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    return completion_ids, mask, finished
+    kept = gather_prefixes(torch.cat(ended_rows), ended_prefixes) if keep else None
+    return Samples(ids[:, :C], completion_mask, finished, stopped, kept)
+
+
+def gather_prefixes(rows, prefixes: list[Prefix]) -> Prefix:
+    """Prefixes of rows that ended at different steps, as one Prefix in row order: each is right-padded
+    (mask 0) to the longest cache."""
+    L = max(p.mask.shape[1] for p in prefixes)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, L - t.shape[2]))  # (B, heads, l, d) -> length L
+    kv = [(torch.cat([pad(p.kv[i][0]) for p in prefixes]), torch.cat([pad(p.kv[i][1]) for p in prefixes]))
+          for i in range(len(prefixes[0].kv))]
+    mask = torch.cat([torch.nn.functional.pad(p.mask, (0, L - p.mask.shape[1])) for p in prefixes])
+    merged = Prefix(kv, mask, torch.cat([p.last for p in prefixes]))
+    return merged.select(rows.argsort())
+
+
+def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs) -> Samples:
+    """n samples for each prompt (token ids), rows in prompt order: each prompt is prefilled once and its
+    cache copied to its n rows. kwargs go to sample()."""
+    with torch.no_grad():
+        prefix = prefill(model, prompts, tokenizer.pad_token_id)
+    index = torch.arange(len(prompts), device=prefix.last.device).repeat_interleave(n)
+    return sample(model, tokenizer, prefix.select(index), max_new_tokens, **kwargs)
 
 
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
@@ -378,13 +469,15 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
-# Rows: what every variant hands to the loss.
+# Rows: what every variant hands to the loss. Rows point at shared contexts (a prompt, or a prompt and a
+# GRPO-MA thought), so that each context is encoded once.
 
 
 @dataclass
 class Rows:
-    context_ids: torch.Tensor      # (B, Lc) left-padded: what the completion is conditioned on
-    context_mask: torch.Tensor     # (B, Lc)
+    prompts: list[list[int]]       # the distinct prompts (chat-templated token ids) the rows continue
+    prompt_index: torch.Tensor     # (B,) the prompt each row continues
+    parent: torch.Tensor           # (B,) the row whose completion comes between the prompt and this row, or -1
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,) or (B, C)
@@ -393,58 +486,116 @@ class Rows:
     def __len__(self):
         return len(self.completion_ids)
 
-    def select(self, idx):
-        pick = lambda t: None if t is None else t[idx]
-        return Rows(*(pick(getattr(self, f.name)) for f in fields(self)))
+    def context(self, i: int) -> list[int]:
+        """Row i's context as token ids: its prompt, then its parent's completion."""
+        ids = list(self.prompts[self.prompt_index[i]])
+        if self.parent[i] >= 0:
+            p = int(self.parent[i])
+            ids += self.completion_ids[p][self.completion_mask[p].bool()].tolist()
+        return ids
+
+    def select(self, index: torch.Tensor) -> "Rows":
+        """The rows `index` (a row's parent must be among them), keeping only the prompts they use and only
+        the completion columns that hold a token."""
+        used = self.prompt_index[index].unique()
+        new_prompt = torch.full((len(self.prompts),), -1, dtype=torch.long)
+        new_prompt[used] = torch.arange(len(used))
+        new_row = torch.full((len(self),), -1, dtype=torch.long)
+        new_row[index] = torch.arange(len(index))
+        parent = self.parent[index]
+        parent = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
+        C = max(1, int(self.completion_mask[index].sum(1).max()))
+        cut = lambda t: None if t is None else t[index][:, :C] if t.dim() == 2 else t[index]
+        return Rows([self.prompts[p] for p in used.tolist()], new_prompt[self.prompt_index[index]], parent,
+                    cut(self.completion_ids), cut(self.completion_mask), cut(self.advantages), cut(self.token_weights))
 
 
-def make_rows(contexts: list[list[int]], completion_ids, completion_mask, advantages, pad_id, token_weights=None):
-    """Rows from context id lists (left-padded here) and sampled completions."""
-    context_ids, context_mask = left_pad(contexts, pad_id)
-    return Rows(context_ids, context_mask, completion_ids.cpu(), completion_mask.cpu(), advantages, token_weights)
-
-
-def cat_rows(parts: list[Rows], pad_id) -> Rows:
-    """Stack rows of different context and completion lengths (GRPO-MA's thought and answer rows):
-    contexts are left-padded, completions right-padded. Parts carry one advantage per row and no weights."""
-    Lc = max(r.context_ids.shape[1] for r in parts)
-    C = max(r.completion_ids.shape[1] for r in parts)
-    left = lambda t, value: torch.nn.functional.pad(t, (Lc - t.shape[1], 0), value=value)
-    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
-    assert all(r.advantages.dim() == 1 and r.token_weights is None for r in parts)
-    return Rows(torch.cat([left(r.context_ids, pad_id) for r in parts]),
-                torch.cat([left(r.context_mask, 0) for r in parts]),
-                torch.cat([right(r.completion_ids, pad_id) for r in parts]),
-                torch.cat([right(r.completion_mask, 0) for r in parts]),
-                torch.cat([r.advantages for r in parts]))
-
-
-def trim(rows: Rows) -> Rows:
-    """Drop context columns that are padding in every row and completion columns masked in every row."""
-    first = int(rows.context_mask.any(0).int().argmax())
-    last = int(rows.completion_mask.any(0).nonzero().max()) + 1 if rows.completion_mask.any() else 1
-    cut = lambda t: None if t is None else (t[:, :last] if t.dim() == 2 else t)
-    return Rows(rows.context_ids[:, first:], rows.context_mask[:, first:], rows.completion_ids[:, :last],
-                rows.completion_mask[:, :last], cut(rows.advantages), cut(rows.token_weights))
+def micro_batches(rows: Rows, size: int) -> list[Rows]:
+    """Split rows into micro-batches of about `size` rows. A row that continues a prompt directly stays
+    with the rows that continue it (a GRPO-MA thought with its answers); a prompt shared by several
+    micro-batches is encoded once in each."""
+    units = []
+    for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
+        units.append([i] + (rows.parent == i).nonzero().squeeze(1).tolist())
+    batches, current = [], []
+    for unit in units:
+        if current and len(current) + len(unit) > size:
+            batches.append(current)
+            current = []
+        current = current + unit
+    batches.append(current)
+    return [rows.select(torch.tensor(sorted(b))) for b in batches]
 
 # -----------------------------------------------------------------------------
-# Log-probs: log π(completion_t | context, completion_<t), without a (B, T, V) float32 log-softmax copy.
+# Log-probs: log π(completion_t | context, completion_<t) / T, each shared context encoded once.
 
 
-def per_token_logps(model, input_ids, attention_mask, completion_len: int, temperature: float = 1.0):
-    """input_ids (B, L) = left-padded context + completion -> (B, C) float32 log-probs of the completion
-    tokens under logits / temperature (the distribution they were sampled from)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, C, V), model dtype
-    targets = input_ids[:, -completion_len:]
-    # a few rows at a time, so that logsumexp's float32 temporaries stay near 2**27 elements (512 MB)
-    rows_per_chunk = max(1, 2**27 // logits[0].numel())
-    chunks = []
-    for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk)):
-        chunk = chunk.float() / temperature  # divide after the cast: bf16 logits / T would round again
-        chunks.append(chunk.gather(-1, chunk_targets[..., None]).squeeze(-1) - chunk.logsumexp(-1))
-    return torch.cat(chunks)
+def token_logps(lm_head, hidden, targets, mask, temperature: float):
+    """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets`, where mask is 1 (0 elsewhere): hidden
+    (B, C, H) at position t is what predicts targets[:, t]. The logits of at most ~2**25 entries exist at a
+    time, with and without gradients (the chunk's logits are recomputed in the backward pass), so memory
+    does not grow with B * C * vocabulary."""
+    keep = mask.bool()
+    h, t = hidden[keep], targets[keep]  # (N, H), (N,): only real tokens
+    chunk = max(1, 2**25 // lm_head.out_features)
+
+    def chunk_logps(h, t):
+        logits = lm_head(h).float() / temperature  # divide after the cast: bf16 logits / T would round again
+        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    pieces = []
+    for hc, tc in zip(h.split(chunk), t.split(chunk)):
+        if torch.is_grad_enabled():
+            pieces.append(torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False))
+        else:
+            pieces.append(chunk_logps(hc, tc))
+    logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
+    logps[keep] = torch.cat(pieces)
+    return logps
+
+
+def rows_logps(model, rows: Rows, temperature: float, device):
+    """(B, C) per-token log-probs of the rows' completions given their contexts. Each prompt is encoded
+    once and its KV cache copied to the rows that continue it; a GRPO-MA thought's cache is copied on to
+    its answers. Gradients flow through the copies into the shared encoding, so values and gradients equal
+    those of encoding every row's context on its own (flat_logps), with a fraction of the tokens."""
+    B, C = rows.completion_ids.shape
+    ids, cmask = rows.completion_ids.to(device), rows.completion_mask.to(device)
+    parent = rows.parent.to(device)
+    logps = torch.zeros(B, C, device=device)
+    prefix = prefill(model, rows.prompts, 0)
+    level = parent < 0                     # rows that continue a prompt directly, then their children
+    source = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
+    while level.any():
+        idx = level.nonzero().squeeze(1)
+        p = prefix.select(source[idx])
+        n = int(cmask[idx].sum(1).max())
+        target, target_mask = ids[idx, :n], cmask[idx, :n]
+        # input t is the token before target t: the context's last token, then the completion shifted by one
+        x = torch.cat([p.last[:, None], target[:, :-1]], 1)
+        m = torch.cat([p.mask, target_mask], 1)
+        hidden, cache = run_decoder(model, x, m, cache_of(p.kv))
+        logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
+        last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each completion's last token
+        prefix = Prefix(kv_of(cache), m, last)
+        position = torch.full((B,), -1, dtype=torch.long, device=device)
+        position[idx] = torch.arange(len(idx), device=device)
+        level = torch.isin(parent, idx)
+        source = position[parent.clamp(min=0)]
+    return logps
+
+
+def flat_logps(model, rows: Rows, temperature: float, device):
+    """rows_logps the plain way: every row encodes its whole context and completion in one forward pass,
+    without a KV cache (what --gradient-checkpointing needs: HF drops the cache when it is on)."""
+    context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
+    input_ids = torch.cat([context_ids, rows.completion_ids], 1).to(device)
+    attention_mask = torch.cat([context_mask, rows.completion_mask], 1).to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
+    L = context_ids.shape[1]
+    return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids.to(device),
+                       rows.completion_mask.to(device), temperature)
 
 # -----------------------------------------------------------------------------
 # Advantages and token weights: one small function per scheme, on plain tensors.
@@ -599,95 +750,108 @@ class timed:
         self.metrics[self.key] = self.metrics.get(self.key, 0.0) + time.perf_counter() - self.start
 
 
-def score_batch(tokenizer, completion_ids, completion_mask, finished, answers, format_reward=0.0, prefixes=None):
-    """Rewards (B,) and parsed flags (B,) for sampled completions; prefixes (e.g. a thought) are prepended."""
-    texts = decode(tokenizer, completion_ids, completion_mask)
+def score_batch(tokenizer, samples: Samples, answers, format_reward=0.0, prefixes=None):
+    """Rewards (B,) and parsed flags (B,) of sampled completions; prefixes (e.g. a thought) are prepended."""
+    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if prefixes is not None:
         texts = [p + t for p, t in zip(prefixes, texts)]
-    scored = [score(t, a, bool(f), format_reward) for t, a, f in zip(texts, answers, finished)]
+    scored = [score(t, a, bool(f), format_reward) for t, a, f in zip(texts, answers, samples.finished)]
     return torch.tensor([r for r, _ in scored]), torch.tensor([p for _, p in scored])
 
 
-def sample_metrics(rewards, group_size, parsed, completion_mask, finished) -> dict:
+def sample_metrics(rewards, group_size, parsed, samples: Samples) -> dict:
     """Reward, zero-variance, length, truncation and parse metrics of one step's samples."""
     groups = rewards.reshape(-1, group_size)
-    lengths = completion_mask.sum(1).float()
+    lengths = samples.completion_mask.sum(1).float()
     return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
             "frac_reward_zero_std": (groups.amax(1) == groups.amin(1)).float().mean().item(),
             "completion_length": lengths.mean().item(), "completion_length_max": lengths.max().item(),
-            "truncated": 1 - finished.float().mean().item(), "unparseable": 1 - parsed.float().mean().item()}
+            "truncated": 1 - samples.finished.float().mean().item(), "unparseable": 1 - parsed.float().mean().item(),
+            "tokens": lengths.sum().item()}
 
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the rows also
     carry 1/|λ| token weights."""
     G, metrics = cfg.num_generations, {}
-    prompts = [p for row in batch for p in [prompt_ids(tokenizer, row["question"], cfg.system_prompt)] * G]
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
     with timed(metrics, "time/sample"):
-        ids, mask, finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     with timed(metrics, "time/score"):
         answers = [row["answer"] for row in batch for _ in range(G)]
-        rewards, parsed = score_batch(tokenizer, ids, mask, finished, answers, cfg.format_reward)
+        rewards, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
         advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
         weights = lambda_weights(ids, mask, G) if cfg.variant == "lambda" else None
-    metrics.update(sample_metrics(rewards, G, parsed, mask, finished), tokens=mask.sum().item())
+    metrics.update(sample_metrics(rewards, G, parsed, s))
     if weights is not None:
         on = mask.bool()
         metrics["lambda_mean"] = (1 / weights[on]).mean().item()        # mean |λ| over completion tokens
         metrics["lambda_shared"] = (weights[on] < 1).float().mean().item()  # share of tokens with |λ| > 1
-    return make_rows(prompts, ids, mask, advantages, tokenizer.pad_token_id, weights), metrics
+    prompt_index = torch.arange(len(batch)).repeat_interleave(G)
+    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages, weights), metrics
 
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO-MA: K thoughts per prompt, each stopped by the token whose text completes </think> (with a BPE
     tokenizer that token can carry more text, e.g. '><' of '</think><answer>'), then M answers per thought,
-    continued from prompt + the thought's tokens as sampled and stopped at EOS. An answer is scored on the
-    thought's text + its own text (only what follows </think> can be the answer).
+    continued from the thought's KV cache (its tokens as sampled) and stopped at EOS. An answer is scored on
+    the thought's text + its own text (only what follows </think> can be the answer).
 
     A thought whose text has no </think> (length limit or EOS) is *unclosed*: it is not continued, its M
     answers are missing (NaN rewards, left out of the answer statistics), its value is 0, and the thought
     row itself is trained with its (usually negative) thought advantage. Counted in metrics["unclosed_thoughts"].
 
     Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M times;
-    each answer is one row (context = prompt + its thought, advantage = answer advantage). Under the token
-    aggregations (dapo, bnpo) every thought and answer token weighs the same in one token mean, so the
-    K*M answers together outweigh the K thoughts when answers are as long; under grpo each row (thought or
-    answer) is one sequence of the row mean; under dr_grpo every token counts 1/(rows * max length).
+    each answer is one row (context = prompt + its thought: its parent is the thought row, advantage =
+    answer advantage). Under the token aggregations (dapo, bnpo) every thought and answer token weighs the
+    same in one token mean, so the K*M answers together outweigh the K thoughts when answers are as long;
+    under grpo each row (thought or answer) is one sequence of the row mean; under dr_grpo every token
+    counts 1/(rows * max length).
     """
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
-    prompts = [p for row in batch for p in [prompt_ids(tokenizer, row["question"], cfg.system_prompt)] * K]
+    P = len(batch)
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
     with timed(metrics, "time/sample"):
-        th_ids, th_mask, th_finished = sample(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
-                                              cfg.top_p, stop_strings=["</think>"])
-    thoughts = decode(tokenizer, th_ids, th_mask)
-    closed = torch.tensor(["</think>" in t for t in thoughts])
-    keep = closed.nonzero().squeeze(1).tolist()
-    contexts = [prompts[k] + th_ids[k][th_mask[k].bool()].tolist() for k in keep for _ in range(M)]
-    rewards = torch.full((len(prompts), M), math.nan)  # (P*K, M): unclosed thoughts have no answers
-    pad = tokenizer.pad_token_id
-    metrics.update(tokens=th_mask.sum().item(), answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
-    if keep:
+        th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, temperature=cfg.temperature,
+                      top_p=cfg.top_p, stop_strings=["</think>"], keep=True)
+    closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
+    keep = closed.nonzero().squeeze(1)
+    thoughts = decode(tokenizer, th.completion_ids, th.completion_mask)
+    rewards = torch.full((P * K, M), math.nan)  # (P*K, M): unclosed thoughts have no answers
+    answer_rows = keep.repeat_interleave(M)  # the thought each answer continues
+    metrics.update(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
+    if len(keep):
         with timed(metrics, "time/sample"):
-            ans_ids, ans_mask, ans_finished = sample(model, tokenizer, contexts, cfg.max_answer_tokens,
-                                                     cfg.temperature, cfg.top_p)
+            ans = sample(model, tokenizer, th.prefix.select(answer_rows.to(th.prefix.last.device)),
+                         cfg.max_answer_tokens, cfg.temperature, cfg.top_p)
         with timed(metrics, "time/score"):
-            answers = [batch[k // K]["answer"] for k in keep for _ in range(M)]
-            r, parsed = score_batch(tokenizer, ans_ids, ans_mask, ans_finished, answers, cfg.format_reward,
-                                    prefixes=[thoughts[k] for k in keep for _ in range(M)])
+            answers = [batch[k // K]["answer"] for k in answer_rows.tolist()]
+            r, parsed = score_batch(tokenizer, ans, answers, cfg.format_reward,
+                                    prefixes=[thoughts[k] for k in answer_rows.tolist()])
             rewards[keep] = r.view(-1, M)
-        metrics.update(tokens=metrics["tokens"] + ans_mask.sum().item(), answer_reward=r.mean().item(),
-                       answer_length=ans_mask.sum(1).float().mean().item(),
-                       truncated=1 - ans_finished.float().mean().item(), unparseable=1 - parsed.float().mean().item())
-    thought_adv, answer_adv = on_global_batch(ma_advantages, rewards.view(len(batch), K, M), cfg.scale_rewards)
-    parts = [make_rows(prompts, th_ids, th_mask, thought_adv.reshape(-1), pad)]
-    if keep:
-        parts.append(make_rows(contexts, ans_ids, ans_mask, answer_adv.reshape(-1, M)[keep].reshape(-1), pad))
-    values = rewards.view(len(batch), K, M).nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
+        metrics.update(answer_reward=r.mean().item(), answer_length=ans.completion_mask.sum(1).float().mean().item(),
+                       truncated=1 - ans.finished.float().mean().item(), unparseable=1 - parsed.float().mean().item())
+    thought_adv, answer_adv = on_global_batch(ma_advantages, rewards.view(P, K, M), cfg.scale_rewards)
+    # rows: the P*K thoughts, then the answers of the closed ones
+    ids, mask = [th.completion_ids.cpu()], [th.completion_mask.cpu()]
+    advantages = [thought_adv.reshape(-1)]
+    if len(keep):
+        ids.append(ans.completion_ids.cpu())
+        mask.append(ans.completion_mask.cpu())
+        advantages.append(answer_adv.reshape(-1, M)[keep].reshape(-1))
+    C = max(t.shape[1] for t in ids)
+    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
+    ids = torch.cat([right(t, tokenizer.pad_token_id) for t in ids])
+    mask = torch.cat([right(t, 0) for t in mask])
+    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_rows // K])
+    parent = torch.cat([torch.full((P * K,), -1), answer_rows])
+    values = rewards.view(P, K, M).nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
     metrics.update(reward=values.mean().item(), reward_std=values.std().item(), thought_reward=values.mean().item(),
                    frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
-                   unclosed_thoughts=1 - closed.float().mean().item(),
-                   thought_length=th_mask.sum(1).float().mean().item())
-    return cat_rows(parts, pad), metrics
+                   unclosed_thoughts=1 - closed.float().mean().item(), tokens=mask.sum().item(),
+                   thought_length=th.completion_mask.sum(1).float().mean().item())
+    return Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages)), metrics
 
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -701,24 +865,27 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"]))) for row in batch]
     slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
     p_idx, j_idx, g_idx = torch.tensor(slots).T  # row -> (question, phrasing, sample)
-    templated = [[prompt_ids(tokenizer, q, cfg.system_prompt) for q in qs] for qs in questions]  # once per question
-    own = [templated[p][j] for p, j, _ in slots]
+    phrasings = [prompt_ids(tokenizer, q, cfg.system_prompt) for qs in questions for q in qs]
     with timed(metrics, "time/sample"):
-        ids, mask, finished = sample(model, tokenizer, own, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     with timed(metrics, "time/score"):
-        r, parsed = score_batch(tokenizer, ids, mask, finished, [batch[p]["answer"] for p, _, _ in slots],
-                                cfg.format_reward)
+        r, parsed = score_batch(tokenizer, s, [batch[p]["answer"] for p, _, _ in slots], cfg.format_reward)
         rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such phrasing
         rewards[p_idx, j_idx, g_idx] = r
         advantages = on_global_batch(ta_advantages, rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
-    contexts = own if cfg.ta_anchor == "rephrased" else [templated[p][0] for p, _, _ in slots]
+    if cfg.ta_anchor == "rephrased":
+        prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
+    else:
+        first = [0] + np.cumsum([len(qs) for qs in questions])[:-1].tolist()  # q0 of each question
+        prompts, prompt_index = [phrasings[i] for i in first], p_idx
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
     pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
-    metrics.update(sample_metrics(r, G, parsed, mask, finished), tokens=mask.sum().item(),
+    metrics.update(sample_metrics(r, G, parsed, s),
                    frac_reward_zero_std=(originals.amax(1) == originals.amin(1)).float().mean().item(),
                    frac_reward_zero_std_pooled=float(np.mean([(g.max() == g.min()).item() for g in pooled])),
                    reward_original=originals.mean().item(), reward_rephrased=r[j_idx > 0].mean().item())
-    return make_rows(contexts, ids, mask, advantages, tokenizer.pad_token_id), metrics
+    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
+    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages), metrics
 
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -727,14 +894,8 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 # Update: log-probs of the rows, μ clipped steps. The same code for every variant.
 
 
-def rows_logps(model, rows: Rows, temperature, device):
-    """(B, C) per-token log-probs of the rows' completions given their contexts."""
-    input_ids = torch.cat([rows.context_ids, rows.completion_ids], 1).to(device)
-    attention_mask = torch.cat([rows.context_mask, rows.completion_mask], 1).to(device)
-    return per_token_logps(model, input_ids, attention_mask, rows.completion_ids.shape[1], temperature)
-
-
 def world_size() -> int:
+
     """Number of data-parallel ranks (1 without torchrun)."""
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
@@ -765,6 +926,18 @@ def on_global_batch(scheme, rewards, *args):
     return result[rank * n:(rank + 1) * n]
 
 
+def sum_gradients(model):
+    """Sum the gradients over the ranks (DDP does this, overlapped with the backward pass; here it is
+    one all-reduce per parameter after the last micro-batch); a single process: nothing."""
+    if not torch.distributed.is_initialized():
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+
+
 def reduce_metrics(metrics: dict) -> dict:
     """A rank's rollout metrics averaged over the ranks (the maximum for *_max keys)."""
     keys = sorted(metrics)
@@ -772,40 +945,51 @@ def reduce_metrics(metrics: dict) -> dict:
     return {k: hi if k.endswith("_max") else m for k, m, hi in zip(keys, means, maxima)}
 
 
+def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> list[float]:
+    """The weight of each micro-batch's loss (rows[j] rows, tokens[j] completion tokens) so that the sum of
+    weighted losses over micro-batches, and over ranks (gradients are summed over ranks), is the loss of
+    the whole batch. dapo's micro loss is a token mean, so it weighs its share of the batch's tokens;
+    grpo's and dr_grpo's are row means, so they weigh their share of the rows; TRL's bnpo normalises each
+    micro-batch on its own and averages them, over all ranks.
+    One rank, micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and bnpo 1/2, 1/2."""
+    all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), len(rows)])
+    if loss_type == "dapo":
+        return [t / max(all_tokens, 1) for t in tokens]
+    if loss_type in ("grpo", "dr_grpo"):
+        return [r / all_rows for r in rows]
+    return [1 / all_micro] * len(rows)
+
+
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches. Each micro-batch loss
-    is weighted so that the weighted sum is the loss of the whole (global) batch under cfg.loss_type; under
-    DDP, which averages gradients over W ranks, the weights carry a factor W and use global row/token counts."""
-    metrics, W = {}, world_size()
-    micro = [trim(rows.select(slice(i, i + cfg.micro_batch_size))) for i in range(0, len(rows), cfg.micro_batch_size)]
+    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses are
+    weighted to add up to the loss of the whole (global) batch; gradients are summed over the ranks."""
+    metrics = {}
+    micro = micro_batches(rows, cfg.micro_batch_size)
     tokens = [m.completion_mask.sum().item() for m in micro]
-    global_rows, global_tokens = all_reduce([len(rows), sum(tokens)])
-    share = {"grpo": [W * len(m) / global_rows for m in micro], "dr_grpo": [W * len(m) / global_rows for m in micro],
-             "bnpo": [1 / len(micro)] * len(micro),  # TRL's bnpo normalises each micro-batch on its own
-             "dapo": [W * t / max(global_tokens, 1) for t in tokens]}[cfg.loss_type]
+    weights = micro_batch_weights(cfg.loss_type, [len(m) for m in micro], tokens)
+    token_share = micro_batch_weights("dapo", [len(m) for m in micro], tokens)  # kl and clip are token means
+    logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     with timed(metrics, "time/logps"), torch.no_grad():
         # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the current ones
-        old = [rows_logps(model, m, cfg.temperature, device) for m in micro] if cfg.num_iterations > 1 else None
-        ref = [rows_logps(ref_model, m, cfg.temperature, device) for m in micro] if cfg.beta > 0 else None
+        old = [logps_of(model, m, cfg.temperature, device) for m in micro] if cfg.num_iterations > 1 else None
+        ref = [logps_of(ref_model, m, cfg.temperature, device) for m in micro] if cfg.beta > 0 else None
     totals, grad_norms = {}, []
     with timed(metrics, "time/update"):
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
-                last = j == len(micro) - 1  # DDP all-reduces gradients on the last micro-batch only
-                with model.no_sync() if W > 1 and not last else contextlib.nullcontext():
-                    logps = rows_logps(model, m, cfg.temperature, device)
-                    loss, loss_metrics = policy_loss(
-                        logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
-                        ref_per_token_logps=ref[j] if ref else None,
-                        token_weights=None if m.token_weights is None else m.token_weights.to(device),
-                        beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
-                        loss_type=cfg.loss_type, max_completion_length=max_len)
-                    (loss * share[j]).backward()
-                # the loss adds up as the objective does; kl and clip fractions are token means of the batch
-                weights = dict.fromkeys(loss_metrics, tokens[j] / max(global_tokens, 1)) | {"loss": share[j] / W}
+                logps = logps_of(model, m, cfg.temperature, device)
+                loss, loss_metrics = policy_loss(
+                    logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
+                    ref_per_token_logps=ref[j] if ref else None,
+                    token_weights=None if m.token_weights is None else m.token_weights.to(device),
+                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
+                    loss_type=cfg.loss_type, max_completion_length=max_len)
+                (loss * weights[j]).backward()
                 for key, value in dict(loss_metrics, loss=loss.item()).items():
-                    totals[key] = totals.get(key, 0.0) + value * weights[key] / cfg.num_iterations
+                    share = weights[j] if key == "loss" else token_share[j]
+                    totals[key] = totals.get(key, 0.0) + value * share / cfg.num_iterations
+            sum_gradients(model)
             grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -869,9 +1053,9 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int
     return final
 
 
-def train_step(model, policy, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int, device) -> dict:
-    """One step: draw P prompts, sample and score (this rank's share), then update. `policy` is the model,
-    or its DDP wrapper. Returns the step's metrics."""
+def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int, device) -> dict:
+    """One step: draw P prompts, sample and score (this rank's share), then update. Returns the step's
+    metrics."""
     t_step = time.perf_counter()
     W = world_size()
     rank = torch.distributed.get_rank() if W > 1 else 0
@@ -881,7 +1065,7 @@ def train_step(model, policy, tokenizer, ref_model, optimizer, cfg: Config, trai
     batch = batch[rank * len(batch) // W:(rank + 1) * len(batch) // W]  # whole groups stay on one rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
     metrics = reduce_metrics(metrics)
-    metrics.update(update(policy, ref_model, optimizer, rows, cfg, device))
+    metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["tokens_per_s"] = metrics["tokens"] * W / metrics["time/sample"]
     return metrics
@@ -1056,7 +1240,6 @@ def train(cfg: Config) -> dict:
     max_positions = model.config.max_position_embeddings
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
-    policy = model if W == 1 else torch.nn.parallel.DistributedDataParallel(model)  # forward for gradients
     out = Path(cfg.out)
     log = open_metrics(out, start if checkpoint else None) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -1081,7 +1264,7 @@ def train(cfg: Config) -> dict:
             run_eval(start)
             for step in tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True, disable=not main_rank):
                 with autocast:
-                    metrics = train_step(model, policy, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
+                    metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
                 scheduler.step()
                 done = step + 1
                 write({"step": done, "lr": scheduler.get_last_lr()[0], **metrics})
@@ -1136,21 +1319,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int) -> dict:
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int, max_rows: int = 512) -> dict:
     """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
-    training temperature (pass@1 is the mean accuracy of those samples)."""
+    training temperature (pass@1 is the mean accuracy of those samples); at most max_rows sampled at once."""
     torch.manual_seed(seed)
     n = cfg.eval_samples
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in rows]
-    answers = [row["answer"] for row in rows]
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: thought + answer
-    ids, mask, finished = sample(model, tokenizer, prompts, limit, greedy=True)
-    greedy, _ = score_batch(tokenizer, ids, mask, finished, answers)
-    ids, mask, finished = sample(model, tokenizer, [p for p in prompts for _ in range(n)], limit,
-                                 cfg.temperature, cfg.top_p)
-    correct, _ = score_batch(tokenizer, ids, mask, finished, [a for a in answers for _ in range(n)])
-    counts = correct.view(len(rows), n).sum(1).long().tolist()
-    return {"greedy": greedy.mean().item(),
+    greedy, correct = [], []
+    step = max(1, max_rows // n)
+    for i in range(0, len(rows), step):
+        chunk = rows[i:i + step]
+        prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in chunk]
+        answers = [row["answer"] for row in chunk]
+        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
+        greedy.append(score_batch(tokenizer, s, answers)[0])
+        s = generate(model, tokenizer, prompts, n, limit, temperature=cfg.temperature, top_p=cfg.top_p)
+        correct.append(score_batch(tokenizer, s, [a for a in answers for _ in range(n)])[0])
+    counts = torch.cat(correct).view(len(rows), n).sum(1).long().tolist()
+    return {"greedy": torch.cat(greedy).mean().item(),
             **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in range(1, n + 1)}}
 
 # -----------------------------------------------------------------------------

@@ -188,58 +188,231 @@ def test_pass_at_k_matches_brute_force():
                 assert grpo.pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
 
 # -----------------------------------------------------------------------------
-# Sampler masks and log-probs
+# Sampler and log-probs
 
 
-def test_completion_mask_with_pad_equal_to_eos():
-    eos = 7  # and pad == 7: generate pads finished rows with it
-    ids = torch.tensor([[3, 4, 7, 7, 7], [3, 7, 7, 7, 7], [3, 4, 5, 6, 4]])
-    mask, finished = grpo.completion_mask(ids, [eos])
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]  # EOS itself is inside
-    assert finished.tolist() == [True, True, False]
+class ScriptedLM(torch.nn.Module):
+    """A stand-in causal LM for sampler tests: after each prompt it writes a fixed script of token ids, then
+    EOS, whatever it is sampled with (logits +-30). It keeps the token ids it has seen as the keys of its
+    KV cache, so it goes through grpo's sampler like a real model: cache copies, padding, continuations."""
+
+    def __init__(self, scripts: dict, vocab_size: int, eos: list[int]):
+        super().__init__()
+        self.scripts = {tuple(prompt): list(script) for prompt, script in scripts.items()}
+        self.eos = eos[0]
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # so that the model has a device
+        self.config = type("Config", (), {"max_position_embeddings": 4096})()
+        self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos})()
+        self.model = self.Decoder(self)
+        self.lm_head = self.Head(vocab_size)
+
+    def next_token(self, history: list[int]) -> int:
+        for prompt, script in self.scripts.items():
+            if tuple(history[:len(prompt)]) == prompt:
+                written = len(history) - len(prompt)
+                return script[written] if written < len(script) else self.eos
+        return self.eos
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = [lm]
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache, cache=None):
+            seen = cache.layers[0].keys[:, 0, :, 0].long() if cache.layers else input_ids[:, :0]
+            full = torch.cat([seen, input_ids], 1)  # (B, L + T) every id, padding included
+            T, hidden = input_ids.shape[1], torch.zeros(*input_ids.shape, 1)
+            for b in range(len(full)):
+                real = [int(x) for x, m in zip(full[b], attention_mask[b]) if m]
+                for t in range(T):
+                    if attention_mask[b, full.shape[1] - T + t]:
+                        history = [int(x) for x, m in zip(full[b, :full.shape[1] - T + t + 1],
+                                                          attention_mask[b, :full.shape[1] - T + t + 1]) if m]
+                        hidden[b, t, 0] = self.lm[0].next_token(history)
+            ids = input_ids[:, None, :, None].float()
+            cache.update(ids, ids, 0)
+            return type("Out", (), {"last_hidden_state": hidden, "cache": cache})()
+
+    class Head(torch.nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.out_features = vocab_size
+
+        def forward(self, hidden):
+            return torch.nn.functional.one_hot(hidden[..., 0].long(), self.out_features).float() * 60 - 30
 
 
-def test_completion_mask_ends_at_stop_string(tiny):
+def scripted(tok, scripts: dict, eos=None):
+    """ScriptedLM writing scripts[question] (text) after that question's prompt."""
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids
+    return ScriptedLM({tuple(grpo.prompt_ids(tok, q, "")): ids(text) for q, text in scripts.items()},
+                      len(tok), eos or [tok.eos_token_id])
+
+
+def test_sampler_masks_up_to_and_including_eos_even_when_pad_is_eos(tiny):
     _, tok = tiny
-    rows = ["<think>1+2=3</think>", "<think>1+</think>", "<think>12"]
-    ids = [tok(r, add_special_tokens=False).input_ids for r in rows]
-    C = max(map(len, ids)) + 2
-    ids = torch.tensor([i + [tok.eos_token_id] * (C - len(i)) for i in ids])  # pad == eos, as Qwen
-    mask, finished = grpo.completion_mask(ids, [tok.eos_token_id], tok, ["</think>"])
-    lengths = [len(tok(r, add_special_tokens=False).input_ids) for r in rows]
-    assert mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the stop token, no EOS after it
-    assert finished.tolist() == [True, True, True]
+    tok = __import__("copy").deepcopy(tok)
+    tok.pad_token = tok.eos_token
+    model = scripted(tok, {"12+34=": "<answer>46</answer>", "1+1=": "<answer>2", "5+5=": "1" * 40})
+    prompts = [grpo.prompt_ids(tok, q, "") for q in ["12+34=", "1+1=", "5+5="]]
+    s = grpo.generate(model, tok, prompts, 2, 32)
+    n, m = (len(tok(t, add_special_tokens=False).input_ids) for t in ("<answer>46</answer>", "<answer>2"))
+    assert s.completion_mask.sum(1).tolist() == [n + 1, n + 1, m + 1, m + 1, 32, 32]  # EOS included; truncated: none
+    assert s.finished.tolist() == [True, True, True, True, False, False] and not s.stopped.any()
+    assert s.completion_ids[0, n].item() == tok.eos_token_id and s.completion_ids[2, m + 1:].eq(tok.pad_token_id).all()
 
 
-def test_logps_of_a_row_alone_equal_logps_inside_a_left_padded_batch(tiny):
+def test_sampler_stops_at_the_token_that_completes_a_stop_string(tiny):
+    _, tok = tiny
+    model = scripted(tok, {"1+2=": "<think>1+2=3</think><answer>3</answer>", "3+4=": "<think>1+</think>x",
+                           "5+6=": "<think>12"})
+    prompts = [grpo.prompt_ids(tok, q, "") for q in ["1+2=", "3+4=", "5+6="]]
+    s = grpo.generate(model, tok, prompts, 1, 16, stop_strings=["</think>"])
+    lengths = [len(tok(t, add_special_tokens=False).input_ids) for t in ["<think>1+2=3</think>", "<think>1+</think>",
+                                                                        "<think>12"]]
+    assert s.completion_mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the last: its EOS
+    assert s.stopped.tolist() == [True, True, False] and s.finished.tolist() == [False, False, True]
+
+
+def test_greedy_sampling_equals_hf_generate(tiny, qwen):
+    """Our decode loop (prefill once, copy the cache, drop finished rows) against model.generate."""
+    from transformers import GenerationConfig
+    for folder in (TINY, qwen):
+        model, tok = grpo.load_model(str(folder), torch.device("cpu"))
+        model.eval()
+        questions = ["12+34=", "what is 47 plus 38?", "add 5 to 7", "sum of 10 and 99"]
+        prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in questions]
+        ours = grpo.generate(model, tok, prompts, 1, 24, greedy=True)
+        ids, mask = grpo.left_pad(prompts, tok.pad_token_id)
+        config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=grpo.eos_ids(model, tok),
+                                  pad_token_id=tok.pad_token_id)
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        for i in range(len(prompts)):
+            n = int(ours.completion_mask[i].sum())
+            assert ours.completion_ids[i, :n].tolist() == theirs[i, :n].tolist(), (folder, i)
+            assert n == len(theirs[i]) or theirs[i, n:].eq(tok.pad_token_id).all()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_sampled_tokens_follow_softmax_of_logits_over_temperature(tiny, temperature, top_p):
     model, tok = tiny
-    model.eval()
-    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "what is 47 plus 38?"]]
-    completion = torch.tensor([tok("<think>2+4=6 c0</think>", add_special_tokens=False).input_ids] * 2)
-    ctx, cmask = grpo.left_pad(prompts, tok.pad_token_id)
-    batch = grpo.Rows(ctx, cmask, completion, torch.ones_like(completion), torch.zeros(2))
+    prompt = grpo.prompt_ids(tok, "sum of 47 and 38", grpo.SYSTEM_PROMPT)  # next: 8 .81, 9 .13, 7 .06, ...
+    prompt += tok("<think>7+8=15 c1 4+3+1=", add_special_tokens=False).input_ids
+    N = 20000
+    torch.manual_seed(0)
+    s = grpo.generate(model, tok, [prompt], N, 1, temperature=temperature, top_p=top_p)
+    counts = torch.bincount(s.completion_ids[:, 0], minlength=len(tok)).double()
     with torch.no_grad():
-        together = grpo.rows_logps(model, batch, 0.7, "cpu")
-        for i in range(2):
-            alone = grpo.rows_logps(model, grpo.trim(batch.select(slice(i, i + 1))), 0.7, "cpu")
-            assert torch.allclose(alone, together[i:i + 1], atol=1e-5)
-        # and they are the log-softmax of logits / temperature
-        ids = torch.cat([torch.tensor(prompts[1]), completion[1]])[None]
-        logits = model(ids).logits[0, len(prompts[1]) - 1:-1] / 0.7
-        naive = logits.log_softmax(-1).gather(-1, completion[1][:, None]).squeeze(-1)
-        assert torch.allclose(together[1], naive, atol=1e-5)
+        probs = (model(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)
+    if top_p < 1:  # the smallest set of most likely tokens whose mass reaches top_p, renormalised
+        sorted_probs, order = probs.sort(descending=True)
+        inside = torch.zeros_like(probs, dtype=torch.bool)
+        inside[order[(sorted_probs.cumsum(0) - sorted_probs) < top_p]] = True
+        assert 1 < inside.sum() < len(probs)
+        probs = torch.where(inside, probs, 0.0) / probs[inside].sum()
+    sigma = (probs * (1 - probs) / N).sqrt()
+    assert ((counts / N - probs).abs() <= 5 * sigma + 1e-9).all()
+    assert (counts[probs == 0] == 0).all()
+
+
+def test_a_seeded_run_is_reproducible(uninterrupted, tmp_path):
+    grpo.main(SMALL + ["--out", str(tmp_path / "again"), "--steps", "5"])
+    assert_same_run(tmp_path / "again", uninterrupted)
+
+
+def rollout_rows(variant, model, tok, batch, **kw):
+    cfg = grpo.Config(variant=variant, num_generations=3, num_thoughts=3, num_answers=2, num_rephrasings=2,
+                      max_new_tokens=32, max_answer_tokens=8, **kw)
+    torch.manual_seed(0)
+    return grpo.ROLLOUTS[variant](model, tok, cfg, batch, random.Random(0))[0]
+
+
+@pytest.mark.parametrize("variant,anchor", [("grpo", "original"), ("lambda", "original"), ("ma", "original"),
+                                            ("ta", "original"), ("ta", "rephrased")])
+def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, variant, anchor):
+    """Each context encoded once, its cache copied to the rows that continue it (three levels for ma), against
+    every row encoding its own context: left padding (questions of different lengths), ragged completions."""
+    model, tok = tiny
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:4]
+    rows = rollout_rows(variant, model, tok, batch, ta_anchor=anchor)
+    assert len(set(map(len, rows.prompts))) > 1 and len(set(rows.completion_mask.sum(1).tolist())) > 1
+    if variant == "ma":
+        assert (rows.parent >= 0).any()
+    weights = torch.randn(rows.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for logps_of in (grpo.rows_logps, grpo.flat_logps):
+        model.zero_grad()
+        logps = logps_of(model, rows, 0.7, "cpu")
+        (logps * weights).sum().backward()
+        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
+    (shared, shared_grads), (flat, flat_grads) = results
+    assert torch.allclose(shared, flat, atol=1e-5, rtol=0) and (flat[rows.completion_mask == 0] == 0).all()
+    for a, b in zip(shared_grads, flat_grads):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    model.zero_grad()
+
+
+def test_flat_logps_are_the_log_softmax_of_logits_over_temperature(tiny):
+    """The row-by-row pass against the plainest computation: the full model's logits, log_softmax, gather."""
+    model, tok = tiny
+    rows = rollout_rows("ma", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
+    with torch.no_grad():
+        logps = grpo.flat_logps(model, rows, 0.7, "cpu")
+        for i in range(len(rows)):
+            context, n = rows.context(i), int(rows.completion_mask[i].sum())
+            completion = rows.completion_ids[i, :n]
+            logits = model(torch.tensor([context + completion.tolist()])).logits[0, len(context) - 1:-1] / 0.7
+            naive = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
+            assert torch.allclose(logps[i, :n], naive, atol=1e-5)
+
+
+def test_chunked_token_logps_equal_the_naive_pass_values_and_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 5000, bias=False)  # 2**26 // 5000 = 13421 tokens per chunk: force several
+    hidden = torch.randn(4, 9000, 16, requires_grad=True)
+    targets = torch.randint(0, 5000, (4, 9000))
+    mask = (torch.arange(9000)[None] < torch.tensor([9000, 8000, 100, 1])[:, None]).long()
+    ours = grpo.token_logps(head, hidden, targets, mask, 0.8)
+    naive = (head(hidden) / 0.8).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1) * mask
+    assert torch.allclose(ours, naive, atol=1e-5)
+    w = torch.randn(4, 9000)
+    g_ours = torch.autograd.grad((ours * w).sum(), [hidden, head.weight])
+    g_naive = torch.autograd.grad((naive * w).sum(), [hidden, head.weight])
+    for a, b in zip(g_ours, g_naive):
+        assert torch.allclose(a, b, atol=1e-5 * b.abs().max())
+
+
+def test_micro_batches_keep_a_thought_with_its_answers(tiny):
+    model, tok = tiny
+    rows = rollout_rows("ma", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3])
+    micro = grpo.micro_batches(rows, 5)
+    assert sum(map(len, micro)) == len(rows) and len(micro) > 1
+    contexts = [rows.context(i) for i in range(len(rows))]
+    seen = []
+    for m in micro:
+        assert all(m.parent[i] < 0 or m.parent[m.parent[i]] < 0 for i in range(len(m)))  # parents inside
+        seen += [(m.context(i), m.completion_ids[i][m.completion_mask[i].bool()].tolist()) for i in range(len(m))]
+        assert len(m.prompts) == len(set(map(tuple, m.prompts)))  # each prompt once per micro-batch
+    expected = [(contexts[i], rows.completion_ids[i][rows.completion_mask[i].bool()].tolist()) for i in range(len(rows))]
+    assert sorted(seen) == sorted(expected)
+
+
+def test_micro_batch_weights_worked_example():
+    assert grpo.micro_batch_weights("dapo", [2, 2], [3, 5]) == [3 / 8, 5 / 8]
+    for loss_type in ("grpo", "dr_grpo", "bnpo"):
+        assert grpo.micro_batch_weights(loss_type, [2, 2], [3, 5]) == [1 / 2, 1 / 2]
+    assert grpo.micro_batch_weights("grpo", [1, 3], [3, 5]) == [1 / 4, 3 / 4]
 
 
 def test_sampler_is_seeded_and_masks_what_it_generated(tiny):
     model, tok = tiny
-    prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)] * 6
+    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "add 5 to 7"]]
     torch.manual_seed(3)
-    a = grpo.sample(model, tok, prompts, 32)
+    a = grpo.generate(model, tok, prompts, 3, 32)
     torch.manual_seed(3)
-    b = grpo.sample(model, tok, prompts, 32)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    ids, mask, finished = a
-    for row, m, f in zip(ids, mask, finished):
+    b = grpo.generate(model, tok, prompts, 3, 32)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    for row, m, f in zip(a.completion_ids, a.completion_mask, a.finished):
         n = int(m.sum())
         assert (row[n - 1] == tok.eos_token_id) == bool(f)
         assert tok.eos_token_id not in row[:n - 1].tolist()
@@ -770,7 +943,7 @@ def unpad(ids, mask):
 
 def test_ma_rows_carry_thought_and_answer_advantages(tiny):
     model, tok = tiny
-    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=24)
+    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=18)
     batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
     torch.manual_seed(0)
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
@@ -778,13 +951,15 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny):
     prompts = [grpo.prompt_ids(tok, row["question"], cfg.system_prompt) for row in batch]
     thoughts = [unpad(rows.completion_ids[k], rows.completion_mask[k]) for k in range(P * K)]
     for k in range(P * K):  # thought rows: context = the prompt
-        assert unpad(rows.context_ids[k], rows.context_mask[k]) == prompts[k // K]
+        assert rows.context(k) == prompts[k // K] and rows.parent[k] == -1
     closed = [k for k in range(P * K) if tok.convert_tokens_to_ids("</think>") == thoughts[k][-1]]
-    assert len(rows) == P * K + M * len(closed) and metrics["unclosed_thoughts"] == 1 - len(closed) / (P * K)
-    rewards = torch.zeros(P * K, M)
+    assert 0 < len(closed) < P * K
+    assert len(rows) == P * K + M * len(closed)
+    assert metrics["unclosed_thoughts"] == pytest.approx(1 - len(closed) / (P * K))
+    rewards = torch.full((P * K, M), math.nan)
     for a, k in enumerate(k for k in closed for _ in range(M)):  # answer rows: context = prompt + thought
         row = P * K + a
-        assert unpad(rows.context_ids[row], rows.context_mask[row]) == prompts[k // K] + thoughts[k]
+        assert rows.parent[row] == k and rows.context(row) == prompts[k // K] + thoughts[k]
         text = tok.decode(thoughts[k] + unpad(rows.completion_ids[row], rows.completion_mask[row]),
                           skip_special_tokens=True)
         finished = rows.completion_ids[row][int(rows.completion_mask[row].sum()) - 1] == tok.eos_token_id
@@ -844,7 +1019,8 @@ def test_ta_contexts_are_anchored(tiny, anchor):
     expected = [questions[p][0 if anchor == "original" else j] for p in range(3) for j in range(len(questions[p]))
                 for _ in range(2)]
     for i, question in enumerate(expected):
-        assert unpad(rows.context_ids[i], rows.context_mask[i]) == grpo.prompt_ids(tok, question, cfg.system_prompt)
+        assert rows.context(i) == grpo.prompt_ids(tok, question, cfg.system_prompt)
+    assert len(rows.prompts) == (3 if anchor == "original" else 8)  # each context once
     assert {"frac_reward_zero_std", "frac_reward_zero_std_pooled", "reward_original", "reward_rephrased"} <= set(metrics)
     assert not rows.advantages.isnan().any()
 
@@ -930,9 +1106,9 @@ def test_eos_stays_in_the_mask_when_pad_is_eos(pad_is_eos_model):
         model.get_output_embeddings().weight[tok.eos_token_id] *= 0
         model.get_output_embeddings().weight[tok.eos_token_id] += model.get_output_embeddings().weight.mean(0) + 0.05
     torch.manual_seed(0)
-    ids, mask, finished = grpo.sample(model, tok, [grpo.prompt_ids(tok, "12+34=", "")] * 64, 12)
-    assert 0 < finished.sum() < 64
-    for row, m, f in zip(ids, mask, finished):
+    s = grpo.generate(model, tok, [grpo.prompt_ids(tok, "12+34=", "")], 64, 12)
+    assert 0 < s.finished.sum() < 64
+    for row, m, f in zip(s.completion_ids, s.completion_mask, s.finished):
         n = int(m.sum())
         assert row[:n].tolist().count(tok.eos_token_id) == int(f) and (row[n - 1] == tok.eos_token_id) == bool(f)
 
@@ -990,31 +1166,56 @@ def test_real_chat_template_with_and_without_a_system_prompt(qwen):
     assert grpo.eos_ids(model, tok) == sorted(QWEN_EOS)
 
 
-def test_real_completion_mask_with_both_eos_and_pad_equal_to_one_of_them(qwen):
-    model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
-    text = tok("<answer>3</answer>", add_special_tokens=False).input_ids
-    im_end, end_of_text = QWEN_EOS
-    ids = torch.tensor([text + [im_end, end_of_text, end_of_text],      # ended by <|im_end|>, padded
-                        text + [end_of_text] * 3,                        # ended by <|endoftext|> (= pad)
-                        text + tok("<think>", add_special_tokens=False).input_ids[:1] * 3])  # no EOS: truncated
-    mask, finished = grpo.completion_mask(ids, grpo.eos_ids(model, tok))
-    n = len(text)
-    assert mask.sum(1).tolist() == [n + 1, n + 1, n + 3] and finished.tolist() == [True, True, False]
+def test_real_eos_list_ends_completions_and_stays_in_the_mask(qwen):
+    tok = grpo.load_model(str(qwen), torch.device("cpu"))[1]
+    im_end, end_of_text = QWEN_EOS  # pad == <|endoftext|>
+    model = scripted(tok, {"1+1=": "<answer>2</answer><|im_end|>", "2+2=": "<answer>4</answer><|endoftext|>",
+                           "3+3=": "<answer>6</answer>" * 5}, eos=QWEN_EOS)
+    s = grpo.generate(model, tok, [grpo.prompt_ids(tok, q, "") for q in ["1+1=", "2+2=", "3+3="]], 1, 12)
+    n = len(tok("<answer>2</answer>", add_special_tokens=False).input_ids)
+    assert s.completion_mask.sum(1).tolist() == [n + 1, n + 1, 12] and s.finished.tolist() == [True, True, False]
+    assert [s.completion_ids[0, n].item(), s.completion_ids[1, n].item()] == [im_end, end_of_text]
 
 
-def test_real_stop_string_ends_mid_token():
-    """Qwen2.5: '</think><answer>' ends the thought on the token '><', '</think>\\n\\n' on '>\\n\\n'."""
+QWEN25_THOUGHTS = {"1+2=": ("<think>1+2=3</think>", "<answer>3</answer>", "><"),
+                   "4+4=": ("<think>4+4=8</think>", "\n\n<answer>8</answer>", ">\n\n")}
+
+
+@pytest.fixture(scope="module")
+def qwen25_scripted(tmp_path_factory):
+    """Qwen2.5's tokenizer and a model that writes '<think>..</think><answer>..</answer>' (or with '\\n\\n')."""
     import data.prepare as prepare
-    import tempfile
-    with tempfile.TemporaryDirectory() as folder:
-        tok = prepare.qwen_tokenizer(folder, "qwen2.5")
-    for thought, tail, last in [("<think>1+2=3</think>", "<answer>3</answer>", "><"),
-                                ("<think>4+4=8</think>", "\n\n<answer>8</answer>", ">\n\n")]:
-        ids = tok(thought + tail, add_special_tokens=False).input_ids
-        mask, finished = grpo.completion_mask(torch.tensor([ids]), [151645], tok, ["</think>"])
-        kept = ids[:int(mask.sum())]
-        assert tok.decode(kept[-1:]) == last and finished.item()
-        assert tok.decode(kept).startswith(thought) and "</think>" not in tok.decode(kept[:-1])
+    tok = prepare.qwen_tokenizer(tmp_path_factory.mktemp("qwen25"), "qwen2.5")
+    tok.padding_side = "left"
+    return tok, scripted(tok, {q: a + b + "<|im_end|>" for q, (a, b, _) in QWEN25_THOUGHTS.items()}, eos=QWEN_EOS)
+
+
+def test_real_stop_string_ends_mid_token(qwen25_scripted):
+    """Qwen2.5: '</think><answer>' ends the thought on the token '><', '</think>\\n\\n' on '>\\n\\n'."""
+    tok, model = qwen25_scripted
+    prompts = [grpo.prompt_ids(tok, q, "") for q in QWEN25_THOUGHTS]
+    s = grpo.generate(model, tok, prompts, 2, 30, stop_strings=["</think>"], keep=True)
+    assert s.stopped.all() and not s.finished.any()
+    for i in range(4):
+        thought, _, last = list(QWEN25_THOUGHTS.values())[i // 2]
+        kept = s.completion_ids[i][s.completion_mask[i].bool()].tolist()
+        assert tok.decode(kept[-1:]) == last and tok.decode(kept).startswith(thought)
+        assert "</think>" not in tok.decode(kept[:-1])
+    # the answers continue from each thought's cache, after the token that closed it
+    answers = grpo.sample(model, tok, s.prefix, 12)
+    texts = grpo.decode(tok, answers.completion_ids, answers.completion_mask)
+    assert texts == ["answer>3</answer>"] * 2 + ["<answer>8</answer>"] * 2 and answers.finished.all()
+
+
+def test_ma_closes_bpe_thoughts_and_scores_their_answers(qwen25_scripted):
+    """The issue's case: every thought ends in '><' (or '>\\n\\n'); none is unclosed, every answer is scored."""
+    tok, model = qwen25_scripted
+    cfg = grpo.Config(variant="ma", num_thoughts=2, num_answers=3, max_new_tokens=30, max_answer_tokens=12,
+                      system_prompt="", format_reward=0.5)
+    batch = [{"question": "1+2=", "answer": "3"}, {"question": "4+4=", "answer": "8"}]
+    rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
+    assert metrics["unclosed_thoughts"] == 0 and metrics["answer_reward"] == 1.5  # right and well formed
+    assert len(rows) == 2 * 2 + 2 * 2 * 3 and (rows.parent[4:] == torch.arange(4).repeat_interleave(3)).all()
 
 
 def test_real_reward_parsing_of_decoded_text(qwen):
@@ -1052,7 +1253,7 @@ def test_real_ta_rows_are_anchored_on_q0(qwen):
     rows, _ = grpo.rollout_ta(model, tok, cfg, batch, random.Random(0))
     for i in range(len(rows)):
         q0 = batch[i // 6]["question"]
-        assert unpad(rows.context_ids[i], rows.context_mask[i]) == grpo.prompt_ids(tok, q0, cfg.system_prompt)
+        assert rows.context(i) == grpo.prompt_ids(tok, q0, cfg.system_prompt)
 
 
 @pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
@@ -1082,12 +1283,13 @@ def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
     plain_model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
     knob_model, _ = grpo.load_model(str(knobbed(qwen, tmp_path)), torch.device("cpu"))
     assert knob_model.generation_config.min_p == 0.5
-    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "add 5 to 7"]] * 8
+    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "add 5 to 7"]]
     samples = []
     for model in (plain_model, knob_model):
         torch.manual_seed(0)
-        samples.append(grpo.sample(model, tok, prompts, 12, temperature=0.9, top_p=1.0))
-    assert all(torch.equal(a, b) for a, b in zip(*samples))
+        samples.append(grpo.generate(model, tok, prompts, 8, 12, temperature=0.9, top_p=1.0))
+    assert torch.equal(samples[0].completion_ids, samples[1].completion_ids)
+    assert torch.equal(samples[0].completion_mask, samples[1].completion_mask)
 
 
 def test_prompt_longer_than_the_model_stops_before_training(tmp_path):
@@ -1113,11 +1315,12 @@ def ddp_case(loss_type):
     model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
     ref = grpo.load_model(str(TINY), torch.device("cpu"))[0].eval()
     train = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:8]
-    prompts = [grpo.prompt_ids(tok, row["question"], grpo.SYSTEM_PROMPT) for row in train for _ in range(4)]
+    prompts = [grpo.prompt_ids(tok, row["question"], grpo.SYSTEM_PROMPT) for row in train]
     torch.manual_seed(0)
-    ids, mask, _ = grpo.sample(model, tok, prompts, 32)
-    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(1))
-    rows = grpo.make_rows(prompts, ids, mask, advantages, tok.pad_token_id)
+    s = grpo.generate(model, tok, prompts, 4, 32)
+    advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    rows = grpo.Rows(prompts, torch.arange(8).repeat_interleave(4), torch.full((32,), -1), s.completion_ids,
+                     s.completion_mask, advantages)
     cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1)
     # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
     return model, ref, rows, cfg, torch.optim.SGD(model.parameters(), lr=0.05)
@@ -1129,8 +1332,8 @@ def ddp_worker(rank, world, port, out):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
-        share = rows.select(slice(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        metrics = grpo.update(torch.nn.parallel.DistributedDataParallel(model), ref, opt, share, cfg, "cpu")
+        share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
+        metrics = grpo.update(model, ref, opt, share, cfg, "cpu")
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
     advantages = [grpo.on_global_batch(scheme, rewards.chunk(world)[rank], *args)
@@ -1190,10 +1393,12 @@ model = Qwen2ForCausalLM(config).requires_grad_(grad)
 B, P, C = 16, 256, 256  # T = 512: a 256-token prompt and a 256-token completion
 ids = torch.randint(0, config.vocab_size, (B, P + C))
 mask = torch.ones_like(ids)
+rows = grpo.Rows([row[:P].tolist() for row in ids], torch.arange(B), torch.full((B,), -1), ids[:, P:],
+                 torch.ones(B, C, dtype=torch.long), torch.zeros(B))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.set_grad_enabled(grad):
     if method == "ours":
-        logps = grpo.per_token_logps(model, ids, mask, C, temperature=0.9)
+        logps = grpo.rows_logps(model, rows, 0.9, "cpu")
     else:  # the naive pass: full logits, then a full float32 log-softmax copy
         logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1:-1] / 0.9
         logps = logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
@@ -1215,8 +1420,8 @@ def test_bench_logps_memory(request):
         peaks = {m: float(subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, m, grad], capture_output=True,
                                          text=True, cwd=HERE, check=True).stdout.split()[-1])
                  for m in ("naive", "ours")}
-        print(f"{grad:8s} naive log_softmax+gather {peaks['naive']:.2f} GiB | per_token_logps {peaks['ours']:.2f} GiB"
-              f" | ratio {peaks['naive'] / peaks['ours']:.2f}")
+        print(f"{grad:8s} naive log_softmax+gather {peaks['naive']:.2f} GiB | rows_logps {peaks['ours']:.2f} GiB"
+              f" | ours / naive {peaks['ours'] / peaks['naive']:.2f}")
 
 
 @pytest.mark.bench
@@ -1266,10 +1471,68 @@ def test_bench_against_trl(request, tmp_path):
         theirs += clock.times[1:]  # the first step of a round warms caches
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-        times = [grpo.train_step(policy, policy, tok, None, opt, cfg, train, r * steps + s, "cpu")["time/step"]
+        times = [grpo.train_step(policy, tok, None, opt, cfg, train, r * steps + s, "cpu")["time/step"]
                  for s in range(steps)]
         ours += times[1:]
     med = lambda xs: sorted(xs)[len(xs) // 2]
     print(f"\nTRL {trl.__version__} GRPOTrainer vs grpo.py, tiny model, P={P} x G={G}, {C} new tokens, mu=1, "
           f"beta=0, dapo, {torch.get_num_threads()} threads, {rounds} alternating rounds of {steps} steps:\n"
           f"median step: TRL {med(theirs):.3f} s | grpo.py {med(ours):.3f} s | TRL / grpo.py {med(theirs) / med(ours):.2f}")
+
+
+@pytest.mark.bench
+def test_bench_ma_step_time(request):
+    """GRPO-MA T4A4 and T8A2 against T16A1 (= GRPO with G = 16) at equal samples per prompt, P = 8: median
+    step time (sampling + update) and generated tokens per step, alternating configurations."""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")
+    configs = {"T16A1": dict(variant="grpo", num_generations=16), "T4A4": dict(variant="ma", num_thoughts=4,
+               num_answers=4), "T8A2": dict(variant="ma", num_thoughts=8, num_answers=2)}
+    times = {name: [] for name in configs}
+    tokens = {name: [] for name in configs}
+    for r in range(3):
+        for name, kw in configs.items():
+            cfg = grpo.Config(prompts_per_step=8, micro_batch_size=256, **kw)
+            policy = __import__("copy").deepcopy(model)
+            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+            for s in range(6):
+                m = grpo.train_step(policy, tok, None, opt, cfg, train, r * 6 + s, "cpu")
+                if s:  # the first step of a round warms caches
+                    times[name].append(m["time/step"])
+                    tokens[name].append(m["tokens"])
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    print(f"\nGRPO-MA vs GRPO at K*M = 16, P = 8, tiny model, {torch.get_num_threads()} threads, 3 alternating rounds "
+          f"of 5 timed steps:")
+    for name in configs:
+        print(f"{name}: median step {med(times[name]):.3f} s ({med(times[name]) / med(times['T16A1']):.2f}x T16A1), "
+              f"generated tokens/step {med(tokens[name]):.0f}")
+
+
+def encoded_tokens(rows, micro_batch_size):
+    """Tokens the update's forward pass encodes: row by row (every row its whole context) and shared (each
+    prompt once per micro-batch, each completion once)."""
+    real = lambda i: int(rows.completion_mask[i].sum())
+    flat = sum(len(rows.context(i)) + real(i) for i in range(len(rows)))
+    shared = sum(sum(map(len, m.prompts)) + int(m.completion_mask.sum()) for m in grpo.micro_batches(rows, micro_batch_size))
+    return flat, shared
+
+
+@pytest.mark.bench
+def test_bench_encoded_tokens(request, tiny):
+    """Tokens encoded per step by the update's log-prob pass, row by row (before) and shared (now), for one
+    step of each variant at the default settings (P = 16, G = 8; ma K4 x M4; ta N3 x G2)."""
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+    model, tok = tiny
+    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")
+    print("\ntokens encoded per step by the update (tiny model, P = 16, seed 0):")
+    for variant, kw in [("grpo", {}), ("ma", {}), ("ta", dict(num_generations=2)), ("ta", dict(num_generations=2,
+                        ta_anchor="rephrased"))]:
+        cfg = grpo.Config(variant=variant, **kw)
+        torch.manual_seed(0)
+        rows, _ = grpo.ROLLOUTS[variant](model, tok, cfg, random.Random(0).sample(train, 16), random.Random(0))
+        flat, shared = encoded_tokens(rows, cfg.micro_batch_size)
+        name = variant + (f" ({cfg.ta_anchor})" if variant == "ta" else "")
+        print(f"{name:15s} rows {len(rows):4d} | row by row {flat:6d} | shared {shared:6d} | {shared / flat:.2f}")

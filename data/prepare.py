@@ -196,8 +196,7 @@ def report(model, tokenizer, test):
             answers.append(row["answer"])
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
-    ids, mask, finished = grpo.sample(model, tokenizer, prompts, 32)
-    rewards, _ = grpo.score_batch(tokenizer, ids, mask, finished, answers)
+    rewards, _ = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, 32), answers)
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
@@ -270,10 +269,13 @@ def rephrase(args):
     torch.manual_seed(args.seed)
     prompts = [grpo.prompt_ids(tokenizer, REPHRASE_PROMPT.format(n=args.n, question=row["question"]), "")
                for row in rows]
-    ids, mask, _ = grpo.sample(model, tokenizer, prompts, args.max_new_tokens, args.temperature,
-                               batch_size=args.batch_size)
+    replies = []
+    for i in range(0, len(prompts), args.batch_size):
+        s = grpo.generate(model, tokenizer, prompts[i:i + args.batch_size], 1, args.max_new_tokens,
+                          temperature=args.temperature)
+        replies += grpo.decode(tokenizer, s.completion_ids, s.completion_mask)
     total, dropped, empty_rows = 0, Counter(), 0
-    for row, reply in zip(rows, grpo.decode(tokenizer, ids, mask)):
+    for row, reply in zip(rows, replies):
         candidates = split_numbered(reply)
         kept, why = filter_rephrasings(row["question"], candidates)
         row["rephrasings"] = kept[: args.n]
