@@ -387,7 +387,19 @@ class Samples:
     prefix: Prefix | None = None   # keep=True: every row as a prefix, ready to be continued
 
 
-@torch.no_grad()
+@contextlib.contextmanager
+def sampling(model):
+    """No gradients, and eval mode: no dropout, and HF's gradient checkpointing, which drops the KV cache in
+    training mode, is off. The model's mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False,
            stop_strings=(), keep=False) -> Samples:
     """Continue every row of `prefix` by up to max_new_tokens tokens. A row ends at an EOS token (any of
@@ -396,51 +408,49 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
     temperature and top-p shape the draw: nothing of the model's generation config but its EOS ids.
     keep=True also returns every row as a Prefix (GRPO-MA continues its thoughts with answers).
     Seed torch beforehand for reproducible samples."""
-    was_training = model.training
-    model.eval()  # also turns off HF's gradient checkpointing, which would drop the KV cache
-    device = next(model.parameters()).device
-    eos = torch.tensor(eos_ids(model, tokenizer), device=device)
-    B = len(prefix.last)
-    ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)
-    texts = [""] * B  # the text of each row so far, for stop strings
-    rows = torch.arange(B, device=device)  # the rows still being decoded
-    cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
-    ended_rows, ended_prefixes = [], []
-    for t in range(max_new_tokens):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        hidden, cache = run_decoder(model, token[:, None], mask, cache)
-        token = pick(model.lm_head(hidden[:, -1]).float(), temperature, top_p, greedy)
-        ids[rows, t] = token
-        lengths[rows] += 1
-        ended = torch.isin(token, eos)
-        finished[rows[ended]] = True
-        if stop_strings:
-            pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
-            for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
-                texts[row] += piece
-                window = texts[row][-(len(piece) + max(map(len, stop_strings))):]  # where a new match can be
-                if not ended[i] and any(s in window for s in stop_strings):
-                    stopped[row] = ended[i] = True
-        if t == max_new_tokens - 1:
-            ended[:] = True
-        if not ended.any():
-            continue
-        if keep:
-            ended_rows.append(rows[ended])
-            ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended))
-        go = ~ended
-        rows, mask, token = rows[go], mask[go], token[go]
-        if not len(rows):
-            break
-        cache.batch_select_indices(go.nonzero().squeeze(1))  # finished rows leave the batch
-    C = int(lengths.max())
-    completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
-    model.train(was_training)
-    kept = gather_prefixes(torch.cat(ended_rows), ended_prefixes) if keep else None
-    return Samples(ids[:, :C], completion_mask, finished, stopped, kept)
+    with sampling(model):
+        device = next(model.parameters()).device
+        eos = torch.tensor(eos_ids(model, tokenizer), device=device)
+        B = len(prefix.last)
+        ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
+        lengths = torch.zeros(B, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        texts = [""] * B  # the text of each row so far, for stop strings
+        rows = torch.arange(B, device=device)  # the rows still being decoded
+        cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
+        ended_rows, ended_prefixes = [], []
+        for t in range(max_new_tokens):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            hidden, cache = run_decoder(model, token[:, None], mask, cache)
+            token = pick(model.lm_head(hidden[:, -1]).float(), temperature, top_p, greedy)
+            ids[rows, t] = token
+            lengths[rows] += 1
+            ended = torch.isin(token, eos)
+            finished[rows[ended]] = True
+            if stop_strings:
+                pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
+                for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
+                    texts[row] += piece
+                    window = texts[row][-(len(piece) + max(map(len, stop_strings))):]  # where a new match can be
+                    if not ended[i] and any(s in window for s in stop_strings):
+                        stopped[row] = ended[i] = True
+            if t == max_new_tokens - 1:
+                ended[:] = True
+            if not ended.any():
+                continue
+            if keep:
+                ended_rows.append(rows[ended])
+                ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended))
+            go = ~ended
+            rows, mask, token = rows[go], mask[go], token[go]
+            if not len(rows):
+                break
+            cache.batch_select_indices(go.nonzero().squeeze(1))  # finished rows leave the batch
+        C = int(lengths.max())
+        completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
+        kept = gather_prefixes(torch.cat(ended_rows), ended_prefixes) if keep else None
+        return Samples(ids[:, :C], completion_mask, finished, stopped, kept)
 
 
 def gather_prefixes(rows, prefixes: list[Prefix]) -> Prefix:
@@ -458,7 +468,7 @@ def gather_prefixes(rows, prefixes: list[Prefix]) -> Prefix:
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs) -> Samples:
     """n samples for each prompt (token ids), rows in prompt order: each prompt is prefilled once and its
     cache copied to its n rows. kwargs go to sample()."""
-    with torch.no_grad():
+    with sampling(model):
         prefix = prefill(model, prompts, tokenizer.pad_token_id)
     index = torch.arange(len(prompts), device=prefix.last.device).repeat_interleave(n)
     return sample(model, tokenizer, prefix.select(index), max_new_tokens, **kwargs)

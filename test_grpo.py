@@ -315,6 +315,40 @@ def test_sampled_tokens_follow_softmax_of_logits_over_temperature(tiny, temperat
     assert (counts[probs == 0] == 0).all()
 
 
+def test_sampling_is_in_eval_mode_even_with_dropout_and_gradient_checkpointing(tiny):
+    """A model left in training mode, with dropout and HF's gradient checkpointing (which drops the KV cache
+    in training mode, prefill included) samples exactly as in eval mode, and is left in training mode."""
+    model, tok = tiny
+    prompts = [grpo.prompt_ids(tok, q, grpo.SYSTEM_PROMPT) for q in ["12+34=", "add 5 to 7"]]
+    model.eval()
+    expected = grpo.generate(model, tok, prompts, 1, 32, greedy=True).completion_ids
+    noisy = __import__("copy").deepcopy(model)
+    for module in noisy.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    noisy.gradient_checkpointing_enable()
+    noisy.train()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        assert torch.equal(grpo.generate(noisy, tok, prompts, 1, 32, greedy=True).completion_ids, expected)
+    assert noisy.training
+
+
+def test_gradient_checkpointing_gives_the_same_run(tmp_path):
+    """--gradient-checkpointing takes the row-by-row pass (HF drops the cache then); the run is the same up to
+    float32 rounding."""
+    runs = []
+    for flags in ([], ["--gradient-checkpointing"]):
+        out = tmp_path / str(len(flags))
+        grpo.main(SMALL + ["--out", str(out), "--steps", "3", "--beta", "0.04"] + flags)
+        runs.append([json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()])
+    for a, b in zip(*runs):
+        assert a.keys() == b.keys() and a.get("eval") == b.get("eval")
+        for key in ("loss", "kl", "grad_norm", "reward"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def test_a_seeded_run_is_reproducible(uninterrupted, tmp_path):
     grpo.main(SMALL + ["--out", str(tmp_path / "again"), "--steps", "5"])
     assert_same_run(tmp_path / "again", uninterrupted)
