@@ -792,14 +792,14 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
         answers = [row["answer"] for row in batch for _ in range(G)]
         rewards, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
         advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
-        weights = lambda_weights(ids, mask, G) if cfg.variant == "lambda" else None
-    metrics.update(sample_metrics(rewards, G, parsed, s))
-    if weights is not None:
-        on = mask.bool()
-        metrics["lambda_mean"] = (1 / weights[on]).mean().item()        # mean |λ| over completion tokens
-        metrics["lambda_shared"] = (weights[on] < 1).float().mean().item()  # share of tokens with |λ| > 1
+        weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much the completions share prefixes
+    on = mask.bool()
+    metrics.update(sample_metrics(rewards, G, parsed, s),
+                   lambda_mean=(1 / weights[on]).mean().item(),           # mean |λ| over completion tokens
+                   lambda_shared=(weights[on] < 1).float().mean().item())  # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
-    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages, weights), metrics
+    token_weights = weights if cfg.variant == "lambda" else None
+    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages, token_weights), metrics
 
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):

@@ -508,6 +508,42 @@ def test_shipped_data_is_valid_and_held_out():
         assert all(sorted(numbers(f)) == sorted({a, b}) for f in forms)
 
 
+def test_default_task_rebuilds_the_shipped_data():
+    import data.prepare as prepare
+    train, test, _ = prepare.make_data(random.Random(prepare.SEED))
+    for rows, name in [(train, "train.jsonl"), (test, "test.jsonl")]:
+        assert "".join(json.dumps(r) + "\n" for r in rows) == (HERE / "data" / name).read_text()
+
+
+def test_premise_knobs_change_what_they_claim():
+    import data.prepare as prepare
+    n = 4000
+    se = lambda p: (p * (1 - p) / n) ** 0.5 + 1e-9
+    for task in [prepare.Task(), prepare.Task((0.2, 0.4, 0.6, 0.8), (0.0,) * 4),
+                 prepare.Task((0.05, 0.1, 0.15, 0.2), (0.3, 0.4, 0.5, 0.6)), prepare.Task(digits=3)]:
+        for (thought, answer), tn, an in zip(prepare.noise_rates(task, n), task.thought_noise, task.answer_noise):
+            assert abs(thought - tn) < 4 * se(tn) and abs(answer - an) < 4 * se(an), (task, thought, answer)
+    rng = random.Random(0)
+    for _ in range(2000):
+        a, b, k = rng.randrange(10, 100), rng.randrange(10, 100), rng.randrange(4)
+        phrased = prepare.solution(a, b, random.Random(1), k, prepare.Task(thought_noise=(0.0,) * 4))
+        canonical = prepare.solution(a, b, random.Random(1), k, prepare.Task((0.0,) * 4, order="canonical"))
+        assert phrased.startswith(f"<think>{a % 10}+{b % 10}=")  # operands in the order they were asked
+        assert canonical.startswith(f"<think>{max(a, b) % 10}+{min(a, b) % 10}=")  # larger first, whatever the wording
+        assert canonical == prepare.solution(b, a, random.Random(1), k, prepare.Task((0.0,) * 4, order="canonical"))
+    three = prepare.solution(987, 123, random.Random(0), 0, prepare.Task((0.0,) * 4, (0.0,) * 4, digits=3))
+    assert three == "<think>7+3=10 c1 8+2+1=11 c1 9+1+1=11</think><answer>1110</answer>"
+
+
+def test_prepare_builds_a_variant_into_a_folder(tmp_path, capsys):
+    import data.prepare as prepare
+    prepare.main(["--out", str(tmp_path), "--order", "canonical", "--digits", "3", "--sft-steps", "2"])
+    rows = grpo.load_jsonl(tmp_path / "test.jsonl")
+    assert len(rows) == 200 and all(99 < int(n) < 1000 for r in rows for n in re.findall(r"\d+", r["question"]))
+    model, tok = grpo.load_model(str(tmp_path / "tiny"), torch.device("cpu"))
+    assert "measured noise per wording" in capsys.readouterr().out
+
+
 def test_tiny_tokenizer_and_model_reload(tiny):
     model, tok = tiny
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
@@ -925,15 +961,24 @@ def test_lambda_beats_grpo_on_the_binary_tree():
 
 @pytest.mark.bench
 def test_bench_binary_tree_table(request):
-    """python -m pytest -q -m bench -k tree -s   (the paper's scale: 5 seeds, 250 steps, G = 16)"""
-    if "bench" not in request.config.getoption("-m"):
-        pytest.skip("benchmark: run with -m bench")
+    """python -m pytest -q -m bench -s -k tree: the paper's Table 1 setting (250 steps, G = 16), GRPO_TREE_SEEDS
+    seeds (default 50) with standard errors, at learning rates 1.0 and 0.3. GRPO is bimodal here (a seed
+    reaches the target or locks onto a 0.7 path), so a few seeds say little."""
+    skip_unless_bench(request)
+    import statistics
+    seeds = int(os.environ.get("GRPO_TREE_SEEDS", 50))
     paper = {(1, -0.5): (.3995, .5663), (1, -1.0): (.0000, .7535), (1, -1.5): (.2000, .4463),
              (2, -0.5): (.1980, .4292), (2, -1.0): (.0488, .3612), (2, -1.5): (.0000, .3820)}
-    print("\n| n | r_neg | GRPO (ours) | λ-GRPO (ours) | GRPO (paper) | λ-GRPO (paper) |\n|---|---|---|---|---|---|")
-    for n, r in TREE_SETTINGS:
-        ours = [sum(binary_tree(n, r, lam, s) for s in range(5)) / 5 for lam in (False, True)]
-        print(f"| {n} | {r} | {ours[0]:.3f} | {ours[1]:.3f} | {paper[n, r][0]:.3f} | {paper[n, r][1]:.3f} |")
+    mean_se = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) / len(xs) ** 0.5:.3f}"
+    for lr in (1.0, 0.3):
+        print(f"\nbinary tree, lr {lr}, {seeds} seeds: target frequency over the last 50 steps (mean ± SE)")
+        print("| n | r_neg | GRPO | λ-GRPO | share of seeds > 0.5: GRPO / λ | paper GRPO | paper λ-GRPO |")
+        print("|---|---|---|---|---|---|---|")
+        for n, r in TREE_SETTINGS:
+            runs = [[binary_tree(n, r, lam, s, lr=lr) for s in range(seeds)] for lam in (False, True)]
+            share = " / ".join(f"{sum(x > 0.5 for x in xs) / seeds:.2f}" for xs in runs)
+            print(f"| {n} | {r} | {mean_se(runs[0])} | {mean_se(runs[1])} | {share} | {paper[n, r][0]:.3f} | "
+                  f"{paper[n, r][1]:.3f} |", flush=True)
 
 # -----------------------------------------------------------------------------
 # GRPO-MA
@@ -1570,3 +1615,109 @@ def test_bench_encoded_tokens(request, tiny):
         flat, shared = encoded_tokens(rows, cfg.micro_batch_size)
         name = variant + (f" ({cfg.ta_anchor})" if variant == "ta" else "")
         print(f"{name:15s} rows {len(rows):4d} | row by row {flat:6d} | shared {shared:6d} | {shared / flat:.2f}")
+
+# -----------------------------------------------------------------------------
+# When does each variant help? Premise-knob models (data/prepare.py flags, built on demand into
+# data/variants/) and compare tables: mean ± standard error over seeds at an equal sample budget per prompt.
+# python -m pytest -q -m bench -s -k compare        (GRPO_SEEDS=5 for more seeds; each table prints when done)
+
+VARIANTS = {
+    "noisy-thoughts": ["--thought-noise", "0.2,0.4,0.6,0.8", "--answer-noise", "0,0,0,0"],
+    "noisy-answers": ["--thought-noise", "0.05,0.1,0.15,0.2", "--answer-noise", "0.3,0.4,0.5,0.6"],
+    "phrased": ["--sft-steps", "1000"],
+    "canonical": ["--order", "canonical", "--sft-steps", "1000"],
+    "three-digit": ["--digits", "3"],
+}
+
+
+def variant(name: str) -> list[str]:
+    """grpo.py flags for a premise-knob model, built once into data/variants/<name> (~1-2.5 min)."""
+    import data.prepare as prepare
+    folder = HERE / "data" / "variants" / name
+    if not (folder / "tiny" / "model.safetensors").exists():
+        prepare.main(["--out", str(folder), *VARIANTS[name]])
+    return ["--model", str(folder / "tiny"), "--data", str(folder / "train.jsonl"), "--test-data",
+            str(folder / "test.jsonl")]
+
+
+def compare(title: str, cells: dict, tmp_path, ks=(8,), extra=()):
+    """Run every cell (name -> grpo.py flags) for GRPO_SEEDS seeds (default 3) and print one markdown table:
+    pass@1 before -> after and pass@k after (mean ± standard error over seeds), the best eval step (highest
+    pass@1, mean over seeds), the metrics named in `extra` (mean over steps and seeds) and wall time."""
+    import statistics
+    seeds = int(os.environ.get("GRPO_SEEDS", 3))
+    mean_se = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) / len(xs) ** 0.5:.3f}"
+    header = ["config", "pass@1 before", "pass@1 after"] + [f"pass@{k} after" for k in ks]
+    header += ["best step"] + list(extra) + ["wall s"]
+    lines = [f"\n{title} ({seeds} seeds)", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, flags in cells.items():
+        runs = []
+        for seed in range(seeds):
+            out = tmp_path / f"{name}-{seed}".replace(" ", "_")
+            start = time.time()
+            grpo.main(flags + ["--seed", str(seed), "--out", str(out), "--overwrite"])
+            records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+            evals = [(r["step"], r["eval"]) for r in records if "eval" in r]
+            steps = [r for r in records if "loss" in r]
+            runs.append({"before": evals[0][1]["pass@1"], "after": evals[-1][1],
+                         "best": max(evals, key=lambda e: e[1]["pass@1"])[0], "wall": time.time() - start,
+                         **{k: statistics.mean(r[k] for r in steps if r.get(k) is not None) for k in extra}})
+        row = [name, mean_se([r["before"] for r in runs]), mean_se([r["after"]["pass@1"] for r in runs])]
+        row += [mean_se([r["after"][f"pass@{k}"] for r in runs]) for k in ks]
+        row += [f"{statistics.mean(r['best'] for r in runs):.0f}"]
+        row += [f"{statistics.mean(r[k] for r in runs):.3f}" for k in extra]
+        row += [f"{statistics.mean(r['wall'] for r in runs):.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+    print("\n".join(lines), flush=True)
+
+
+def skip_unless_bench(request):
+    if "bench" not in request.config.getoption("-m"):
+        pytest.skip("benchmark: run with -m bench")
+
+
+EVAL = ["--eval-every", "25", "--steps", "100"]
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("model", ["noisy-thoughts", "noisy-answers"])
+def test_bench_compare_ma(request, tmp_path, model):
+    """GRPO-MA at K*M = 16 answers per prompt, P = 8, against GRPO with G = 16 (T16A1); MA's thought and
+    answer limits (24 + 8) equal GRPO's 32, so evals are alike."""
+    skip_unless_bench(request)
+    base = variant(model) + EVAL + ["--prompts-per-step", "8", "--max-new-tokens", "32"]
+    ma = ["--variant", "ma", "--max-new-tokens", "24", "--max-answer-tokens", "8"]
+    compare(f"GRPO-MA, model {model}", {
+        "T16A1 (GRPO, G=16)": base + ["--num-generations", "16"],
+        "T4A4": base + ma + ["--num-thoughts", "4", "--num-answers", "4"],
+        "T8A2": base + ma + ["--num-thoughts", "8", "--num-answers", "2"]}, tmp_path,
+        extra=["frac_reward_zero_std", "time/step"])
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("model", ["phrased", "canonical", "three-digit"])
+def test_bench_compare_ta(request, tmp_path, model):
+    """TA-GRPO with the question and 3 rephrasings x 2 samples against GRPO with G = 8 (8 samples per
+    question either way), P = 16; on the three-digit task with 16 eval samples and longer completions."""
+    skip_unless_bench(request)
+    hard = model == "three-digit"
+    base = variant(model) + EVAL + (["--max-new-tokens", "48", "--eval-samples", "16"] if hard else [])
+    ta = ["--variant", "ta", "--num-rephrasings", "3", "--num-generations", "2"]
+    compare(f"TA-GRPO, model {model}", {
+        "GRPO, G=8": base + ["--num-generations", "8"],
+        "TA, anchor q0 (paper v5)": base + ta,
+        "TA, anchor rephrasing (code)": base + ta + ["--ta-anchor", "rephrased"]}, tmp_path,
+        ks=(2, 4, 8, 16) if hard else (2, 8), extra=["frac_reward_zero_std"] + ([] if hard else []))
+
+
+@pytest.mark.bench
+def test_bench_compare_lambda(request, tmp_path):
+    """λ-GRPO against GRPO on the shipped tiny model, G = 8, P = 16, at three sampling temperatures: the
+    temperature sets how much of a group's completions share prefixes (mean |λ| over completion tokens)."""
+    skip_unless_bench(request)
+    cells = {}
+    for temperature in ("0.7", "1.0", "1.3"):
+        for variant_name in ("grpo", "lambda"):
+            cells[f"{variant_name}, T={temperature}"] = EVAL + ["--variant", variant_name, "--temperature", temperature]
+    compare("λ-GRPO vs GRPO, shipped tiny model", cells, tmp_path, extra=["lambda_mean", "lambda_shared"])

@@ -2,6 +2,7 @@
 Make the shipped data and the tiny offline model, deterministically (in the manner of nanoGPT's prepare.py).
 
     python data/prepare.py            # data/train.jsonl, data/test.jsonl and data/tiny/ (~1 min on 2 CPU cores)
+    python data/prepare.py --out data/variants/canonical --order canonical --sft-steps 1000   # a premise knob
     python data/prepare.py rephrase --model PATH_OR_NAME --input in.jsonl --output out.jsonl -n 3
 
 The task: add two numbers from 10 to 99 and show the column sum, e.g. for "47+38=":
@@ -12,10 +13,15 @@ Each question is asked in one of 8 problem-equivalent ways (4 wordings x 2 opera
 both numbers are equal) are its "rephrasings" (for TA-GRPO). 200 unordered pairs are held out (both orders) for test.jsonl.
 
 The tiny model is a ~0.5M-parameter Qwen2 with a character-level tokenizer, warm-started by a short supervised
-run on deliberately noisy worked solutions: with probability THOUGHT_NOISE[k] the thought has one wrong step
-(and the answer follows the wrong thought), then with probability ANSWER_NOISE[k] the answer is off by 1 or 10.
+run on deliberately noisy worked solutions: with probability thought_noise[k] the thought has one wrong step
+(and the answer follows the wrong thought), then with probability answer_noise[k] the answer is off by 1 or 10.
 The noise grows with the wording k, so wordings differ in difficulty, and the model's answers follow its
 thoughts. The right answer ends up the mode but far from certain: room for RL to show gains.
+
+Premise knobs (flags; the defaults make the shipped files): --thought-noise and --answer-noise per wording
+(where the noise sits, GRPO-MA's premise), --order canonical (the thought puts the larger operand first, so a
+response to a rephrasing is also a valid response to the original question: TA-GRPO's anchoring premise),
+--digits 3 (a harder task, where pass@k at large k has room) and --sft-steps; --out picks the folder.
 
 `rephrase` asks a local instruct model for problem-equivalent rephrasings and keeps only those that keep every
 number of the original (as a multiset), differ from the original and from each other, and are not empty.
@@ -29,6 +35,7 @@ import re
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,8 +46,6 @@ import grpo  # noqa: E402  (prompts, sampler and scorer are shared with training
 HERE = Path(__file__).resolve().parent
 SEED = 1337
 TEMPLATES = ["{a}+{b}=", "what is {a} plus {b}?", "add {a} to {b}", "sum of {a} and {b}"]
-THOUGHT_NOISE = [0.0, 0.3, 0.6, 0.9]
-ANSWER_NOISE = [0.05, 0.15, 0.25, 0.35]
 NUM_TRAIN, NUM_TEST = 3000, 200
 SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -50,38 +55,65 @@ CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=()<>?.,:;!'\"\n")
 # Data
 
 
+@dataclass
+class Task:
+    """What the data and the warm-start noise look like; the defaults make the shipped data and model.
+    thought_noise[k] / answer_noise[k]: per wording k, the chance of one wrong step in the thought, then of an
+    answer off by 1 or 10 from what the thought implies. order: operands in the thought as phrased, or
+    canonical (larger first), so that a response to one phrasing is also a valid response to the others.
+    digits: 2 (10..99) or more (3: 100..999, a harder task)."""
+    thought_noise: tuple = (0.0, 0.3, 0.6, 0.9)
+    answer_noise: tuple = (0.05, 0.15, 0.25, 0.35)
+    order: str = "phrased"
+    digits: int = 2
+    sft_steps: int = 400
+
+
 def phrasings(a: int, b: int) -> list[str]:
     """The distinct ways to ask a + b (8, or 4 when a == b)."""
     return list(dict.fromkeys(t.format(a=x, b=y) for t in TEMPLATES for x, y in ((a, b), (b, a))))
 
 
-def solution(a: int, b: int, rng: random.Random, k: int) -> str:
-    """A worked column sum for operands a, b (in order of appearance), noisy as wording k prescribes."""
-    units, carry_ok = a % 10 + b % 10, (a % 10 + b % 10) // 10
-    u, c, t = units, carry_ok, a // 10 + b // 10 + carry_ok
-    if rng.random() < THOUGHT_NOISE[k]:
-        step = rng.randrange(3)
-        if step == 0:  # a wrong units sum; the carry follows from it
-            u = units + 1 if units == 0 else units + rng.choice([-1, 1])
-            c = u // 10
-            t = a // 10 + b // 10 + c
-        elif step == 1:  # a flipped carry
-            c = 1 - carry_ok
-            t = a // 10 + b // 10 + c
-        else:  # a wrong tens sum
-            t += rng.choice([-1, 1])
-    answer = t * 10 + u % 10
-    if rng.random() < ANSWER_NOISE[k]:
+def column_sums(a: int, b: int, digits: int, rng: random.Random, noisy: bool):
+    """The column sums s_i (units first) and carries c_i of a + b, with one wrong step when noisy: a column
+    sum off by one (later columns follow it) or a flipped carry, chosen uniformly."""
+    x = [a // 10**i % 10 for i in range(digits)]
+    y = [b // 10**i % 10 for i in range(digits)]
+    step = rng.randrange(2 * digits - 1) if noisy else -1  # 2i: column i's sum is off, 2i + 1: its carry flips
+    sums, carries, carry = [], [], 0
+    for i in range(digits):
+        s = x[i] + y[i] + carry
+        if step == 2 * i:
+            s = s + 1 if s == 0 else s + rng.choice([-1, 1])
+        carry = s // 10 if step != 2 * i + 1 else 1 - (x[i] + y[i] + carry) // 10
+        sums.append(s)
+        carries.append(carry)
+    return x, y, sums, carries
+
+
+def solution(a: int, b: int, rng: random.Random, k: int, task: Task = Task()) -> str:
+    """A worked column sum for operands a, b (in order of appearance, or larger first for a canonical
+    order), noisy as wording k prescribes: the answer is what the (possibly wrong) thought implies, then
+    possibly off by 1 or 10."""
+    if task.order == "canonical":
+        a, b = max(a, b), min(a, b)
+    x, y, sums, carries = column_sums(a, b, task.digits, rng, rng.random() < task.thought_noise[k])
+    steps = [f"{x[0]}+{y[0]}={sums[0]}"]
+    for i in range(1, task.digits):
+        steps.append(f"c{carries[i - 1]} {x[i]}+{y[i]}+{carries[i - 1]}={sums[i]}")
+    answer = implied_answer(" ".join(steps))
+    if rng.random() < task.answer_noise[k]:
         answer += rng.choice([-10, -1, 1, 10])
-    return f"<think>{a % 10}+{b % 10}={u} c{c} {a // 10}+{b // 10}+{c}={t}</think><answer>{answer}</answer>"
+    return f"<think>{' '.join(steps)}</think><answer>{answer}</answer>"
 
 
-def make_data(rng: random.Random):
-    pairs = [(a, b) for a in range(10, 100) for b in range(a, 100)]
+def make_data(rng: random.Random, task: Task = Task()):
+    low, high = 10 ** (task.digits - 1), 10**task.digits
+    pairs = [(a, b) for a in range(low, high) for b in range(a, high)]
     rng.shuffle(pairs)
     held_out = pairs[:NUM_TEST]
     banned = {p for a, b in held_out for p in ((a, b), (b, a))}
-    train_pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if (a, b) not in banned]
+    train_pairs = [(a, b) for a in range(low, high) for b in range(low, high) if (a, b) not in banned]
 
     def row(a, b):
         forms = phrasings(a, b)
@@ -156,8 +188,9 @@ def qwen_tokenizer(folder, variant="qwen3"):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def sft(model, tokenizer, train_pairs, rng, steps=400, batch_size=64, lr=2e-3, warmup=20):
+def sft(model, tokenizer, train_pairs, rng, task: Task = Task(), batch_size=64, lr=2e-3, warmup=20):
     """Supervised warm start on noisy solutions; loss on completion tokens only."""
+    steps = task.sft_steps
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.9 * 0.5 * (
         1 + math.cos(math.pi * s / steps))))
@@ -169,7 +202,8 @@ def sft(model, tokenizer, train_pairs, rng, steps=400, batch_size=64, lr=2e-3, w
             k = rng.randrange(len(TEMPLATES))
             a, b = (a, b) if rng.random() < 0.5 else (b, a)
             prompt = grpo.prompt_ids(tokenizer, TEMPLATES[k].format(a=a, b=b), grpo.SYSTEM_PROMPT)
-            target = tokenizer(solution(a, b, rng, k), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            target = tokenizer(solution(a, b, rng, k, task), add_special_tokens=False).input_ids
+            target.append(tokenizer.eos_token_id)
             seqs.append(prompt + target)
             labels.append([-100] * len(prompt) + target)
         L = max(map(len, seqs))
@@ -186,7 +220,7 @@ def sft(model, tokenizer, train_pairs, rng, steps=400, batch_size=64, lr=2e-3, w
             print(f"sft step {step:4d} loss {loss.item():.3f}")
 
 
-def report(model, tokenizer, test):
+def report(model, tokenizer, test, max_new_tokens: int = 32):
     """Held-out sampled accuracy per wording (one sample per prompt, temperature 1)."""
     torch.manual_seed(0)
     prompts, answers, kinds = [], [], []
@@ -196,31 +230,59 @@ def report(model, tokenizer, test):
             answers.append(row["answer"])
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
-    rewards, _ = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, 32), answers)
+    rewards, _ = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, max_new_tokens), answers)
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
 
 
+def implied_answer(thought: str) -> int:
+    """The answer a worked thought implies: its last column sum, then the units digits of the others."""
+    sums = [int(s) for s in re.findall(r"=(\d+)", thought)]
+    return sums[-1] * 10 ** (len(sums) - 1) + sum(s % 10 * 10**i for i, s in enumerate(sums[:-1]))
+
+
+def noise_rates(task: Task, n: int = 4000, seed: int = 0) -> list[tuple[float, float]]:
+    """Measured on n solutions per wording: (share with a wrong thought, share whose answer is not what
+    the thought implies). One wrong step always changes the sum the thought implies."""
+    rng = random.Random(seed)
+    low, high = 10 ** (task.digits - 1), 10**task.digits
+    rates = []
+    for k in range(len(TEMPLATES)):
+        wrong_thought = wrong_answer = 0
+        for _ in range(n):
+            a, b = rng.randrange(low, high), rng.randrange(low, high)
+            thought, answer = re.fullmatch(r"<think>(.*)</think><answer>(-?\d+)</answer>",
+                                           solution(a, b, rng, k, task)).groups()
+            wrong_thought += implied_answer(thought) != a + b
+            wrong_answer += int(answer) != implied_answer(thought)
+        rates.append((wrong_thought / n, wrong_answer / n))
+    return rates
+
+
 def prepare(args):
     import transformers
     transformers.utils.logging.disable_progress_bar()
+    task = Task(tuple(args.thought_noise), tuple(args.answer_noise), args.order, args.digits, args.sft_steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    train, test, train_pairs = make_data(rng)
-    write_jsonl(HERE / "train.jsonl", train)
-    write_jsonl(HERE / "test.jsonl", test)
-    print(f"wrote {len(train)} train and {len(test)} test rows")
+    train, test, train_pairs = make_data(rng, task)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "test.jsonl", test)
+    print(f"{task}\nwrote {len(train)} train and {len(test)} test rows to {out}")
+    print("measured noise per wording (wrong thought, answer not the thought's): "
+          + " / ".join(f"{t:.2f}, {a:.2f}" for t, a in noise_rates(task)))
     t0 = time.time()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
     print(f"tiny model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
-    sft(model, tokenizer, train_pairs, rng)
-    out = HERE / "tiny"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    print(f"saved {out} ({time.time() - t0:.0f} s)")
-    report(model, tokenizer, test)
+    sft(model, tokenizer, train_pairs, rng, task)
+    model.save_pretrained(out / "tiny")
+    tokenizer.save_pretrained(out / "tiny")
+    print(f"saved {out / 'tiny'} ({time.time() - t0:.0f} s)")
+    report(model, tokenizer, test, max_new_tokens=16 * task.digits)
 
 # -----------------------------------------------------------------------------
 # Rephrasing with a local instruct model (TA-GRPO data)
@@ -290,8 +352,18 @@ def rephrase(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Make the shipped data and tiny model, or rephrase questions.")
     parser.add_argument("--seed", type=int, default=SEED)
+    floats = lambda text: [float(x) for x in text.split(",")]
+    parser.add_argument("--out", default=str(HERE), help="folder for train.jsonl, test.jsonl and tiny/")
+    parser.add_argument("--thought-noise", type=floats, default=list(Task.thought_noise),
+                        help="per wording: chance of one wrong step in the thought, e.g. 0,0.3,0.6,0.9")
+    parser.add_argument("--answer-noise", type=floats, default=list(Task.answer_noise),
+                        help="per wording: chance that the answer is off by 1 or 10 from the thought's")
+    parser.add_argument("--order", choices=["phrased", "canonical"], default=Task.order,
+                        help="operands in the thought as phrased, or larger first (a rephrasing's answer fits q0)")
+    parser.add_argument("--digits", type=int, default=Task.digits, help="operand digits (3: a harder task)")
+    parser.add_argument("--sft-steps", type=int, default=Task.sft_steps, help="warm-start steps")
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("all", help="data/train.jsonl, data/test.jsonl and data/tiny (the default)")
+    sub.add_parser("all", help="train.jsonl, test.jsonl and tiny/ in --out (default data/)")
     r = sub.add_parser("rephrase", help="add problem-equivalent rephrasings made by a local instruct model")
     r.add_argument("--model", required=True, help="local folder or hub name of an instruct model")
     r.add_argument("--input", required=True)
