@@ -1,43 +1,69 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                                   # GRPO on the tiny model in data/tiny (CPU, offline, ~40 s)
-    python grpo.py --variant lambda                  # or ma, ta
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl --test-data my_test.jsonl \\
-        --max-new-tokens 512 --lr 1e-6 --gradient-checkpointing    # one GPU, bf16 autocast
-    torchrun --nproc_per_node=8 grpo.py ...          # data parallel: each rank samples its share of the prompts
+    python grpo.py                      # GRPO on the tiny model in data/tiny (CPU, offline, ~40 s)
+    python grpo.py --variant lambda     # or ma, ta
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
+        --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
+    torchrun --nproc_per_node=8 grpo.py ...   # data parallel: each rank samples its share
 
-The four schemes differ only in how completions are sampled and how their advantages and per-token weights
-are filled in; they share the sampler, the log-prob pass and the loss:
+The four schemes differ only in how completions are sampled and how their advantages and per-token
+weights are filled in; they share the sampler, the log-prob pass and the loss:
 
-- grpo    GRPO (DeepSeekMath, arXiv 2402.03300): P prompts x G completions; advantage = reward normalised
-          within the group; clipped ratio; optional k3 KL to a frozen reference.
-- ma      GRPO-MA (arXiv 2509.24494): per prompt K thoughts (stopped after </think>) and M answers per
-          thought; a thought's value is the mean reward of its answers, thought advantage normalised over
-          the K thoughts, answer advantage over all K*M answers.
-- ta      TA-GRPO (arXiv 2601.22478): the question plus N problem-equivalent rephrasings, G samples each;
-          advantages normalised jointly over the (N+1)*G responses; every response is trained as if it had
-          been an answer to the original question q0 (importance ratios anchored on q0).
-- lambda  λ-GRPO (arXiv 2509.21154): each token's loss term is divided by |λ(i,t)|, the number of completions
-          in the group that share the completion's prefix up to and including that token.
+- grpo    GRPO (DeepSeekMath, arXiv 2402.03300): P prompts x G completions; advantage = reward
+          normalised within the group; clipped ratio; optional k3 KL to a frozen reference.
+- ma      GRPO-MA (arXiv 2509.24494): per prompt K thoughts (stopped after </think>) and M
+          answers per thought; a thought's value is the mean reward of its answers, thought
+          advantage normalised over the K thoughts, answer advantage over all K*M answers.
+- ta      TA-GRPO (arXiv 2601.22478): the question plus N problem-equivalent rephrasings, G
+          samples each; advantages normalised jointly over the (N+1)*G responses; every response
+          is trained as an answer to the original question q0 (importance ratios anchored on q0).
+- lambda  λ-GRPO (arXiv 2509.21154): each token's loss term is divided by |λ(i,t)|, the number
+          of completions in the group sharing the completion's prefix up to and including it.
 
-Everything is organised around *rows*. A row is: context ids (what the completion is conditioned on when
-log-probs are taken), completion ids and mask, an advantage (per row or per token) and optional per-token
-weights. A variant is a function that samples and fills rows; `update()` does not know which variant made them.
+Reading map (a first read can stop before the plumbing):
+  1. The ideas           group_advantages, ma_advantages, ta_advantages, lambda_weights: one
+                         function per scheme, on plain tensors, with worked numbers; policy_loss
+                         and micro_batch_weights: the clipped surrogate, the KL, the aggregations.
+  2. Samples into rows   score (the reward), Rows (what every variant hands to the loss), and one
+                         rollout function per variant: sample, score, fill rows.
+  3. Sampler, log-probs  prefill each distinct context once, decode token by token (sample);
+                         log-probs of the rows, each shared context encoded once (rows_logps).
+  4. Update and loop     update (μ clipped steps in micro-batches), train_step, train, report.
+  5. Eval                greedy accuracy and unbiased pass@k.
+  6. Plumbing            flags and their checks, data files, model loading, checkpoints and
+                         resume, signals, the metrics file, data-parallel helpers, timing.
+
+Everything is organised around *rows*. A row is a completion to train on: its ids and mask, an
+advantage (per row, or per token), optional per-token weights, and its context: the prompt it
+continues and, for GRPO-MA's answers, the row (the thought) that comes between. What each variant
+makes for one prompt (or question) p:
+
+    variant       rows      context            completion        advantage
+    grpo, lambda  G         p                  o_i               r_i normalised over the G
+                                                                 (lambda: token weights 1/|λ|)
+    ma            K         p                  thought th_k      V_k = mean_j r_kj, over the K
+                  K*M       p + th_k           answer a_kj       r_kj normalised over all K*M
+    ta            (N+1)*G   q0 (or q_j with    response to q_j   r normalised over all (N+1)*G
+                            --ta-anchor rephrased)
+
+A variant is a function that samples and fills rows; update() does not know which variant made
+them.
 
 What is simplified versus the papers (honestly):
-- Sampling is a short KV-cache loop of our own over the model's forward (each distinct prompt prefilled once,
-  its cache copied to its G continuations, finished rows dropped), not vLLM: no paged attention, no continuous
-  batching, and one process samples and trains, so it is meant for models up to ~1-3B on one GPU. The update
-  encodes each shared context once too, except with --gradient-checkpointing (HF drops the KV cache then).
+- Sampling is a short KV-cache loop of our own over the model's forward (each distinct prompt
+  prefilled once, its cache copied to its G continuations, finished rows dropped), not vLLM: no
+  paged attention, no continuous batching, and one process samples and trains, so it is meant for
+  models up to ~1-3B on one GPU. The update encodes each shared context once too, except with
+  --gradient-checkpointing (HF drops the KV cache then).
 - The reward is exact-match of the last <answer>...</answer> (or \\boxed{...}) after simple number
-  normalisation, not math_verify; an unfinished completion (no EOS within --max-new-tokens) scores 0.
+  normalisation, not math_verify; an unfinished completion (no EOS within the limit) scores 0.
 - No LoRA; the reference model, when beta > 0, is a full frozen copy.
-- GRPO-MA: thoughts that never close with </think> are not continued: value 0, their answers missing
-  (documented in rollout_ma). The paper's weighting between thought and answer tokens is not published; here every
-  thought and answer token goes through the same loss aggregation (see rollout_ma).
-- TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py rephrase`
-  makes them with a local model) instead of GPT-4-Turbo.
+- GRPO-MA: thoughts that never close with </think> are not continued: value 0, answers missing
+  (see rollout_ma). The paper's weighting between thought and answer tokens is not published;
+  here every thought and answer token goes through the same loss aggregation.
+- TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py
+  rephrase` makes them with a local model) instead of GPT-4-Turbo.
 - λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
 - The learning rate warms up linearly and then stays constant.
 """
@@ -67,7 +93,7 @@ HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
 
 # -----------------------------------------------------------------------------
-# Config: one dataclass of defaults; every field is also a command-line flag.
+# Config: one dataclass of defaults; every field is also a command-line flag (--field-name).
 
 
 def _opt(default, help, choices=None):
@@ -77,8 +103,9 @@ def _opt(default, help, choices=None):
 @dataclass
 class Config:
     # model and data
-    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM and its tokenizer")
-    data: str = _opt(str(HERE / "data" / "train.jsonl"), "training JSONL: question, answer, rephrasings (optional)")
+    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
+    data: str = _opt(str(HERE / "data" / "train.jsonl"),
+                     "training JSONL: question, answer, rephrasings (optional)")
     test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
     system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
     variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
@@ -94,7 +121,8 @@ class Config:
     max_answer_tokens: int = _opt(12, "answer length limit (ma)")
     # TA-GRPO
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
-    ta_anchor: str = _opt("original", "(ta) context for log-probs: q0 (paper v5) or the rephrasing (public code)",
+    ta_anchor: str = _opt("original",
+                          "(ta) context of the log-probs: q0 (paper v5) or the rephrasing (code)",
                           ["original", "rephrased"])
     # loss and optimisation
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -103,7 +131,7 @@ class Config:
     epsilon: float = _opt(0.2, "lower clip range of the ratio")
     epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
-    format_reward: float = _opt(0.0, "extra reward for a well-formed <think>..</think><answer>..</answer>")
+    format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
     lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
     warmup_steps: int = _opt(10, "linear warmup, then constant")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -112,141 +140,198 @@ class Config:
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
     eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
-    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end); SIGTERM, Ctrl-C and crashes save too")
+    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end); SIGTERM, Ctrl-C "
+                               "and crashes save too")
     eval_samples: int = _opt(8, "samples per held-out question for pass@k")
     eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
     out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
     resume: bool = _opt(False, "continue from the latest checkpoint in --out")
-    overwrite: bool = _opt(False, "replace a run already in --out (without it, such a folder stops the run)")
+    overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
     seed: int = _opt(0, "seed for data order, sampling and init")
-    device: str = _opt("auto", "auto picks cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
+    device: str = _opt("auto", "auto: cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
     gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
 
-
-class ConfigError(ValueError):
-    pass
-
-
-class DataError(ValueError):
-    pass
+# =============================================================================
+# 1. The ideas: one small function per scheme, on plain tensors, then the loss.
+# =============================================================================
 
 
-def parse_args(argv=None) -> Config:
-    """Build argparse from the Config fields (--field-name), then check the sizes."""
-    parser = argparse.ArgumentParser(description="GRPO and variants in one file.")
-    parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, not usage + error
-    for f in fields(Config):
-        flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
-        else:
-            parser.add_argument(flag, type=f.type, default=f.default, choices=f.metadata["choices"], help=help)
-    cfg = Config(**vars(parser.parse_args(argv)))
-    check_config(cfg)
-    return cfg
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
+    """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
+    A = (r - group mean) / (std + eps), std unbiased (ddof=1, as TRL); scale="batch" uses the std of
+    the whole batch, "none" skips the division. A group whose rewards are all equal gets exactly 0.
+    NaN rewards mark rows that do not exist (TA's questions with fewer rephrasings, MA's unanswered
+    thoughts): they are left out of the statistics and get NaN back.
+
+    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)
+    tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
+
+    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 has one value, so 0.)
+    """
+    r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
+    adv = r - r.nanmean(1, keepdim=True)
+    if scale == "group":
+        adv = adv / (_nanstd(r, 1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = adv / (_nanstd(rewards) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+    # a group whose existing rewards are all equal (max == min, NaN left out) gets exactly 0, not
+    # the rounding noise of its mean divided by eps
+    high = torch.where(r.isnan(), -math.inf, r).amax(1, keepdim=True)
+    low = torch.where(r.isnan(), math.inf, r).amin(1, keepdim=True)
+    adv = torch.where((high == low) & ~r.isnan(), 0.0, adv)
+    return adv.reshape(rewards.shape)
 
 
-def check_config(cfg: Config):
-    """Stop on impossible values with one line naming the flag."""
-    at_least = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2), ("num_answers", 1),
-                ("num_rephrasings", 1), ("max_new_tokens", 1), ("max_answer_tokens", 1), ("num_iterations", 1),
-                ("micro_batch_size", 1), ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0),
-                ("eval_every", 0), ("eval_limit", 0), ("save_every", 0),
-                ("beta", 0.0), ("epsilon", 0.0), ("epsilon_high", 0.0), ("weight_decay", 0.0)]
-    above = ["lr", "temperature", "max_grad_norm"]
-    for name in ["lr", "temperature", "top_p", "beta", "epsilon", "epsilon_high", "format_reward", "weight_decay",
-                 "max_grad_norm"]:
-        if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
-    for name, low in at_least:
-        if getattr(cfg, name) < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
-    for name in above:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
-    if not 0 < cfg.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
-
-# -----------------------------------------------------------------------------
-# Data: JSONL rows {"question": str, "answer": str, "rephrasings": [str, ...]} (rephrasings optional).
+def _nanstd(x, dim=None, keepdim=False):
+    """Unbiased (ddof=1) std that ignores NaN entries (torch has nanmean but no nanstd)."""
+    if dim is None:
+        return (((x - x.nanmean()) ** 2).nansum() / ((~x.isnan()).sum() - 1)).sqrt()
+    mean = x.nanmean(dim=dim, keepdim=True)
+    n = (~x.isnan()).sum(dim=dim, keepdim=keepdim)
+    return (((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim) / (n - 1)).sqrt()
 
 
-class Row(dict):
-    """A data row {"question", "answer", "rephrasings"} that remembers its 'file:line' for later errors."""
-    where = ""
+def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
+    """GRPO-MA advantages from a (P, K, M) reward tensor: P prompts, K thoughts each, M answers per
+    thought. A thought's value V(th_k) is the mean of its M answer rewards; the thought advantage
+    normalises V over the K thoughts of its prompt; the answer advantage normalises the rewards over
+    all K*M answers of the prompt (not within a thought). Same std convention and zero-variance rule
+    as group_advantages. A thought that was never answered (it did not close with </think>) has NaN
+    answer rewards: its value is 0 and its missing answers are left out of the answer statistics.
+    Returns (thought_adv (P, K), answer_adv (P, K, M)).
+
+    One prompt, K=2, M=2, rewards [[1, 1], [1, 0]]: V = [1, 0.5], mean 0.75, std 0.3536 ->
+    thought_adv = [0.7069, -0.7069]; answers: mean 0.75, std 0.5 ->
+    answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
+    Rewards [[1, 0], [nan, nan]]: V = [0.5, 0] -> thought_adv = [0.7069, -0.7069];
+    answer_adv = [[0.7070, -0.7070], [nan, nan]] (the two real answers alone: mean 0.5, std 0.7071).
+    """
+    P, K, M = rewards.shape
+    values = rewards.nanmean(-1).nan_to_num(0.0)  # (P, K); an unanswered thought is worth 0
+    thought_adv = group_advantages(values.reshape(-1), K, scale, eps).reshape(P, K)
+    answer_adv = group_advantages(rewards.reshape(-1), K * M, scale, eps).reshape(P, K, M)
+    return thought_adv, answer_adv
 
 
-def load_jsonl(path) -> list[Row]:
-    """Read and check a data file; any bad line stops with 'file:line: field ...'."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    rows = []
-    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object with 'question' and 'answer'")
-        for key in ("question", "answer"):
-            value = row.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
-                value = row[key] = str(value)
-            if not isinstance(value, str) or not value.strip():
-                raise DataError(f"{where}: field '{key}' is missing or empty")
-        rephrasings = row.setdefault("rephrasings", [])
-        if not isinstance(rephrasings, list) or not all(isinstance(r, str) and r.strip() for r in rephrasings):
-            raise DataError(f"{where}: field 'rephrasings' must be a list of non-empty strings")
-        row = Row(row)
-        row.where = where
-        rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
+def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
+    """TA-GRPO advantages from a (P, N+1, G) reward tensor: question q0 and its N rephrasings, G
+    responses each. All (N+1)*G responses of a question form one group. A question with fewer than N
+    rephrasings marks the missing ones with NaN rewards (a ragged group): ignored, NaN back.
+
+    One question, N=1, G=2, rewards [[1, 1], [0, 1]]: the q0 group alone has zero variance, but
+    pooled mean 0.75, std 0.5 -> [[0.4999, 0.4999], [-1.4997, 0.4999]].
+    """
+    P, Q, G = rewards.shape
+    return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
 
 
-def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
-    """Chat-template a question (with the system prompt) into token ids, generation prompt included."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
+def lambda_weights(completion_ids, completion_mask, group_size: int):
+    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0.
 
+    λ(i,t), the process set of token t of completion i, is the set of completions j in i's group
+    whose tokens 0..t (up to and including t) equal i's and are all unmasked; it counts i itself and
+    exact duplicates. Tokens in a shared prefix are trained once per prefix instead of once per
+    completion. Rows form groups of `group_size` consecutive rows. Exact and loop-free: compare
+    every pair of rows of a group token by token, and a running product turns "equal at t" into
+    "equal up to and including t"; this takes B * group_size * T bytes.
 
-def check_lengths(tokenizer, rows: list[Row], cfg, max_positions: int, phrasings: bool):
-    """Stop before training when a prompt plus its completion budget (thought + answer for ma) would run
-    past the model's positions; phrasings=True checks the rephrasings too."""
-    budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    for row in rows:
-        for question in [row["question"]] + (row["rephrasings"] if phrasings else []):
-            n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
-            if n + budget > max_positions:
-                raise DataError(f"{row.where}: a prompt of {n} tokens + {budget} new tokens = {n + budget} exceeds "
-                                f"the model's {max_positions} positions (max_position_embeddings); shorten the "
-                                f"question or lower --max-new-tokens")
+    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; others
+    1.
+    """
+    B, T = completion_ids.shape
+    ids = completion_ids.view(-1, group_size, T)  # (groups, G, T)
+    mask = completion_mask.view(-1, group_size, T).bool()
+    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T)
+    counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)  # |λ(i,t)|, (groups, G, T)
+    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).view(B, T)
 
 # -----------------------------------------------------------------------------
-# Rewards: exact match of the final answer. Model output is only ever parsed as text.
+# The loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
 
+
+def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask,
+                ref_per_token_logps=None, token_weights=None, beta=0.0, epsilon=0.2,
+                epsilon_high=None, loss_type="dapo", max_completion_length=None):
+    """GRPO surrogate loss (to minimise) and metrics.
+
+    per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
+    with ρ = exp(logp - old). With one update per batch (μ = 1) old = logp.detach(): ρ is 1 and no
+    token is clipped, but ρ's gradient is logp's, so the loss's value (minus the token-weighted mean
+    advantage) says little while its gradient is the policy gradient. advantages: (B,) broadcast
+    over tokens, or (B, T) per token, the hook for a scheme of your own (a process reward, say);
+    none of the four here needs it. token_weights (B, T) multiply the whole per-token loss (policy
+    and KL) and leave the normaliser alone (λ-GRPO). Aggregation as TRL: grpo = mean over rows of
+    each row's token mean; bnpo and dapo = sum over all tokens / number of tokens (the same within
+    one micro-batch: they differ in how micro-batches are weighted, see micro_batch_weights);
+    dr_grpo = sum / (B * max_completion_length). Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5,
+    bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
+    """
+    mask = completion_mask.float()
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    epsilon_high = epsilon_high or epsilon
+    ratio = torch.exp(per_token_logps - old_per_token_logps)
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    metrics = {}
+    if beta:
+        delta = ref_per_token_logps - per_token_logps
+        kl = torch.exp(delta) - delta - 1
+        loss = loss + beta * kl
+        metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
+    if token_weights is not None:
+        loss = loss * token_weights
+    if loss_type == "grpo":
+        total = ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        total = (loss * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        total = (loss * mask).sum() / (loss.shape[0] * (max_completion_length or loss.shape[1]))
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    n = mask.sum().clamp(min=1).item()
+    with torch.no_grad():
+        low = (ratio < 1 - epsilon) & (adv < 0)  # clipped tokens, where the clip binds
+        high = (ratio > 1 + epsilon_high) & (adv > 0)
+        metrics["clip_low"] = (low.float() * mask).sum().item() / n
+        metrics["clip_high"] = (high.float() * mask).sum().item() / n
+    return total, metrics
+
+
+def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> list[float]:
+    """The weight of each micro-batch's loss (rows[j] rows, tokens[j] completion tokens) so that the
+    sum of weighted losses over micro-batches, and over ranks (gradients are summed over ranks), is
+    the loss of the whole batch. dapo's micro loss is a token mean, so it weighs its share of the
+    batch's tokens; grpo's and dr_grpo's are row means, so they weigh their share of the rows; TRL's
+    bnpo normalises each micro-batch on its own and averages them, over all ranks: that is the only
+    difference between bnpo and dapo, and why the number of ranks appears (in all_reduce). One rank,
+    micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and bnpo 1/2,
+    1/2."""
+    all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), len(rows)])
+    if loss_type == "dapo":
+        return [t / max(all_tokens, 1) for t in tokens]
+    if loss_type in ("grpo", "dr_grpo"):
+        return [r / all_rows for r in rows]
+    return [1 / all_micro] * len(rows)
+
+# =============================================================================
+# 2. Samples into rows: the reward, the rows every variant hands to the loss, one rollout each.
+# =============================================================================
+
+# The reward: exact match of the final answer. Model output is only ever parsed as text.
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d+(\.\d+)?")
 FRACTION_RE = re.compile(r"(-?\d+)/(\d+)|\\d?frac\{(-?\d+)\}\{(\d+)\}")
 NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
-MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits, and none is an answer
+MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 
 def extract_answer(text: str):
-    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None. Only the text
-    after the first </think> is read, so an answer written inside the thought is never credited."""
+    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None. Only
+    the text after the first </think> is read, so an answer written inside the thought is never
+    credited."""
     text = text.split("</think>", 1)[-1]
     found = ANSWER_RE.findall(text)
     if found:
@@ -279,9 +364,9 @@ def parse_number(text: str):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0):
     """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer equals the
-    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for exactly
-    one <think>..</think> followed by exactly one <answer>..</answer>. parsed is False when no answer could
-    be read."""
+    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for
+    exactly one <think>..</think> followed by exactly one <answer>..</answer>. parsed is False when
+    no answer could be read."""
     answer = extract_answer(text)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
@@ -293,41 +378,258 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0)
     shaped = finished and FORMAT_RE.fullmatch(text) is not None
     return float(correct) + format_reward * shaped, parsed
 
+
+def score_batch(tokenizer, samples, answers, format_reward=0.0, prefixes=None):
+    """Rewards (B,) and parsed flags (B,) of sampled completions; prefixes (a thought) are
+    prepended."""
+    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
+    if prefixes is not None:
+        texts = [p + t for p, t in zip(prefixes, texts)]
+    finished = samples.finished.tolist()
+    scored = [score(t, a, f, format_reward) for t, a, f in zip(texts, answers, finished)]
+    return torch.tensor([r for r, _ in scored]), torch.tensor([p for _, p in scored])
+
 # -----------------------------------------------------------------------------
-# Sampler: prefill each distinct context once, copy its KV cache to the rows that continue it, then decode
-# token by token, dropping rows from the batch as they finish.
+# Rows point at shared contexts (a prompt, or a prompt and a GRPO-MA thought), so that each context
+# is encoded once, in sampling and in the update.
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the generation config's (Qwen has two)."""
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    return sorted(ids | {tokenizer.eos_token_id})
+@dataclass
+class Rows:
+    prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
+    prompt_index: torch.Tensor     # (B,) the prompt each row continues
+    parent: torch.Tensor           # (B,) the row whose completion comes after the prompt, or -1
+    completion_ids: torch.Tensor   # (B, C) right-padded
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
+    advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
+    token_weights: torch.Tensor | None = None  # (B, C) multiplies the whole per-token loss (λ-GRPO)
+
+    def __len__(self):
+        return len(self.completion_ids)
+
+    def context(self, i: int) -> list[int]:
+        """Row i's context as token ids: its prompt, then its parent's completion."""
+        ids = list(self.prompts[self.prompt_index[i]])
+        if self.parent[i] >= 0:
+            p = int(self.parent[i])
+            ids += self.completion_ids[p][self.completion_mask[p].bool()].tolist()
+        return ids
+
+    def select(self, index: torch.Tensor) -> "Rows":
+        """The rows `index` (a row's parent must be among them), keeping only the prompts they use
+        and only the completion columns that hold a token."""
+        used = self.prompt_index[index].unique()
+        new_prompt = torch.full((len(self.prompts),), -1, dtype=torch.long)
+        new_prompt[used] = torch.arange(len(used))
+        new_row = torch.full((len(self),), -1, dtype=torch.long)
+        new_row[index] = torch.arange(len(index))
+        parent = self.parent[index]
+        parent = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
+        C = max(1, int(self.completion_mask[index].sum(1).max()))
+        cut = lambda t: None if t is None else t[index][:, :C] if t.dim() == 2 else t[index]
+        prompts = [self.prompts[p] for p in used.tolist()]
+        return Rows(prompts, new_prompt[self.prompt_index[index]], parent, cut(self.completion_ids),
+                    cut(self.completion_mask), cut(self.advantages), cut(self.token_weights))
 
 
-def left_pad(seqs: list[list[int]], pad_id: int):
-    """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, L - len(s):] = 1
-    return ids, mask
+def micro_batches(rows: Rows, size: int) -> list[Rows]:
+    """Split rows into micro-batches of about `size` rows. A row that continues a prompt directly
+    stays with the rows that continue it (a GRPO-MA thought with its answers); a prompt shared by
+    several micro-batches is encoded once in each."""
+    units = []
+    for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
+        units.append([i] + (rows.parent == i).nonzero().squeeze(1).tolist())
+    batches, current = [], []
+    for unit in units:
+        if current and len(current) + len(unit) > size:
+            batches.append(current)
+            current = []
+        current = current + unit
+    batches.append(current)
+    return [rows.select(torch.tensor(sorted(b))) for b in batches]
+
+# -----------------------------------------------------------------------------
+# Rollouts: one function per variant samples completions, scores them and fills rows.
+
+
+def sample_metrics(rewards, group_size, parsed, samples) -> dict:
+    """Reward, zero-variance, length, truncation and parse metrics of one step's samples."""
+    groups = rewards.reshape(-1, group_size)
+    lengths = samples.completion_mask.sum(1).float()
+    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.amax(1) == groups.amin(1)).float().mean().item(),
+            "completion_length": lengths.mean().item(),
+            "completion_length_max": lengths.max().item(),
+            "truncated": 1 - samples.finished.float().mean().item(),
+            "unparseable": 1 - parsed.float().mean().item(), "tokens": lengths.sum().item()}
+
+
+def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the
+    rows also carry 1/|λ| token weights."""
+    G, metrics = cfg.num_generations, {}
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
+    with timed(metrics, "time/sample"):
+        s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, temperature=cfg.temperature,
+                     top_p=cfg.top_p)
+    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
+    with timed(metrics, "time/score"):
+        answers = [row["answer"] for row in batch for _ in range(G)]
+        rewards, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
+        advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
+        weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much completions share
+    on = mask.bool()
+    metrics.update(sample_metrics(rewards, G, parsed, s),
+                   lambda_mean=(1 / weights[on]).mean().item(),           # mean |λ| over tokens
+                   lambda_shared=(weights[on] < 1).float().mean().item())  # share with |λ| > 1
+    prompt_index = torch.arange(len(batch)).repeat_interleave(G)
+    token_weights = weights if cfg.variant == "lambda" else None
+    parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
+    return Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights), metrics
+
+
+def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """GRPO-MA: K thoughts per prompt, each stopped by the token whose text completes </think> (with
+    a BPE tokenizer that token can carry more text, e.g. '><' of '</think><answer>'), then M answers
+    per thought, continued from the thought's KV cache (its tokens as sampled) and stopped at EOS.
+    An answer is scored on the thought's text + its own text (only what follows </think> can be the
+    answer).
+
+    A thought whose text has no </think> (length limit or EOS) is *unclosed*: it is not continued,
+    its M answers are missing (NaN rewards, left out of the answer statistics), its value is 0, and
+    the thought row itself is trained with its (usually negative) thought advantage. Counted in
+    metrics["unclosed_thoughts"]. Here frac_reward_zero_std is the share of prompts whose K thought
+    values are all equal (no thought signal), and reward is the mean thought value.
+
+    Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M
+    times; each answer is one row (context = prompt + its thought: its parent is the thought row,
+    advantage = answer advantage). Under the token aggregations (dapo, bnpo) every thought and
+    answer token weighs the same in one token mean, so the K*M answers together outweigh the K
+    thoughts when answers are as long; under grpo each row (thought or answer) is one sequence of
+    the row mean; under dr_grpo every token counts 1/(rows * max length).
+    """
+    K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
+    P = len(batch)
+    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
+    with timed(metrics, "time/sample"):
+        th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, temperature=cfg.temperature,
+                      top_p=cfg.top_p, stop_strings=["</think>"], keep=True)
+    closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
+    keep = closed.nonzero().squeeze(1)
+    thoughts = decode(tokenizer, th.completion_ids, th.completion_mask)
+    rewards = torch.full((P * K, M), math.nan)  # (P*K, M): unclosed thoughts have no answers
+    answer_rows = keep.repeat_interleave(M)  # the thought row each answer continues
+    if len(keep):
+        with timed(metrics, "time/sample"):
+            continued = th.prefix.select(answer_rows.to(th.prefix.last.device))
+            ans = sample(model, tokenizer, continued, cfg.max_answer_tokens, cfg.temperature,
+                         cfg.top_p)
+        with timed(metrics, "time/score"):
+            answers = [batch[k // K]["answer"] for k in answer_rows.tolist()]
+            r, parsed = score_batch(tokenizer, ans, answers, cfg.format_reward,
+                                    prefixes=[thoughts[k] for k in answer_rows.tolist()])
+            rewards[keep] = r.view(-1, M)
+        answer_metrics = dict(answer_reward=r.mean().item(),
+                              answer_length=ans.completion_mask.sum(1).float().mean().item(),
+                              truncated=1 - ans.finished.float().mean().item(),
+                              unparseable=1 - parsed.float().mean().item())
+    else:  # no thought closed: nothing was answered
+        answer_metrics = dict(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
+    grid = rewards.view(P, K, M)
+    thought_adv, answer_adv = on_global_batch(ma_advantages, grid, cfg.scale_rewards)
+    # rows: the P*K thoughts, then the answers of the closed ones, right-padded to one width
+    ids, mask = [th.completion_ids.cpu()], [th.completion_mask.cpu()]
+    advantages = [thought_adv.reshape(-1)]
+    if len(keep):
+        ids.append(ans.completion_ids.cpu())
+        mask.append(ans.completion_mask.cpu())
+        advantages.append(answer_adv.reshape(-1, M)[keep].reshape(-1))
+    C = max(t.shape[1] for t in ids)
+    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
+    ids = torch.cat([right(t, tokenizer.pad_token_id) for t in ids])
+    mask = torch.cat([right(t, 0) for t in mask])
+    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_rows // K])
+    parent = torch.cat([torch.full((P * K,), -1), answer_rows])
+    values = grid.nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
+    metrics.update(answer_metrics, reward=values.mean().item(), reward_std=values.std().item(),
+                   thought_reward=values.mean().item(),
+                   frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
+                   unclosed_thoughts=1 - closed.float().mean().item(), tokens=mask.sum().item(),
+                   thought_length=th.completion_mask.sum(1).float().mean().item())
+    return Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages)), metrics
+
+
+def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
+    """TA-GRPO: for each question q0 take up to N of its rephrasings (a fresh random subset each
+    step), sample G responses to each of the N+1 questions, score each response as it is, and
+    normalise the advantages jointly over the question's (n+1)*G responses (ragged when a question
+    has n < N).
+
+    With --ta-anchor original (paper v5) every row's context is q0's prompt, so the current, old and
+    reference log-probs are all log π(o | q0): a response to a rephrasing is trained as if it had
+    been a response to q0. At μ = 1 the ratio is 1 whatever the context; what anchoring changes is
+    the gradient, ∇ log π(o | q0) instead of ∇ log π(o | q_j). `rephrased` keeps the prompt that
+    produced the response (the public code's behaviour)."""
+    G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
+    questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"])))
+                 for row in batch]
+    # one row per (question p, phrasing j, sample g), in that order
+    slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
+    p_idx = torch.tensor([p for p, _, _ in slots])
+    j_idx = torch.tensor([j for _, j, _ in slots])
+    g_idx = torch.tensor([g for _, _, g in slots])
+    phrasings = [prompt_ids(tokenizer, q, cfg.system_prompt) for qs in questions for q in qs]
+    with timed(metrics, "time/sample"):
+        s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens,
+                     temperature=cfg.temperature, top_p=cfg.top_p)
+    with timed(metrics, "time/score"):
+        answers = [batch[p]["answer"] for p, _, _ in slots]
+        r, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
+        rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN: no such phrasing
+        rewards[p_idx, j_idx, g_idx] = r  # each row's reward into its question's grid
+        advantages = on_global_batch(ta_advantages, rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
+    if cfg.ta_anchor == "rephrased":
+        prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
+    else:
+        first = [0] + np.cumsum([len(qs) for qs in questions])[:-1].tolist()  # q0 of each question
+        prompts, prompt_index = [phrasings[i] for i in first], p_idx
+    originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
+    pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
+    metrics.update(sample_metrics(r, G, parsed, s))
+    # zero variance as plain GRPO would have met it (q0's own G responses), and after pooling
+    metrics["frac_reward_zero_std"] = (originals.amax(1) == originals.amin(1)).float().mean().item()
+    pooled_constant = [(g.max() == g.min()).item() for g in pooled]
+    metrics["frac_reward_zero_std_pooled"] = float(np.mean(pooled_constant))
+    metrics["reward_original"] = originals.mean().item()
+    metrics["reward_rephrased"] = r[j_idx > 0].mean().item()
+    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
+    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages), metrics
+
+
+ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
+
+# =============================================================================
+# 3. The sampler and the log-prob pass. A Prefix is a batch of contexts ready to be continued:
+#    sampling copies a prompt's cache to its G rows, the update to the rows that continue it.
+# =============================================================================
 
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The transformer (Qwen2, Qwen3, Llama: model.model, without the lm_head) over input_ids (B, T) that
-    follow the tokens in `cache` (a transformers DynamicCache, grown in place, or None); attention_mask
-    (B, L + T) covers the cached and the new tokens, with padding (0) anywhere. Returns the final hidden
-    states (B, T, H) and the cache."""
+    """The transformer (Qwen2, Qwen3, Llama: model.model, without the lm_head) over input_ids (B, T)
+    that follow the tokens in `cache` (a transformers DynamicCache, grown in place, or None);
+    attention_mask (B, L + T) covers the cached and the new tokens, with padding (0) anywhere.
+    Returns the final hidden states (B, T, H) and the cache."""
     from transformers import DynamicCache
     decoder = model.model
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # padding takes no place
+    # a token's position is the number of real tokens before it: padding takes no place
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     cache = DynamicCache() if cache is None else cache
-    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"  # < 5.2x
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                  **{name: cache})
+    # transformers renamed the forward's past_key_values to cache (5.2x)
+    name = "past_key_values"
+    if "cache" in inspect.signature(decoder.forward).parameters:
+        name = "cache"
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=True, **{name: cache})
     return out.last_hidden_state, cache
 
 
@@ -344,8 +646,9 @@ def cache_of(kv: list | None):
 
 @dataclass
 class Prefix:
-    """Contexts ready to be continued: the KV cache of all their tokens but the last one, and that last
-    token, which the next forward pass takes as input (its output predicts the first new token)."""
+    """Contexts ready to be continued: the KV cache of all their tokens but the last one, and that
+    last token, which the next forward pass takes as input (its output predicts the first new
+    token)."""
     kv: list | None      # per layer (keys, values), each (B, heads, L, head_dim)
     mask: torch.Tensor   # (B, L) 1 where the cache holds a real token, 0 for padding
     last: torch.Tensor   # (B,)
@@ -373,7 +676,7 @@ def pick(logits, temperature: float, top_p: float, greedy: bool):
     probs = (logits / temperature).softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the tokens before it already reach top_p
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the tokens before reach top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1).squeeze(-1)
 
@@ -387,27 +690,24 @@ class Samples:
     prefix: Prefix | None = None   # keep=True: every row as a prefix, ready to be continued
 
 
-@contextlib.contextmanager
-def sampling(model):
-    """No gradients, and eval mode: no dropout, and HF's gradient checkpointing, which drops the KV cache in
-    training mode, is off. The model's mode is restored afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
+def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
+             **kwargs) -> Samples:
+    """n samples for each prompt (token ids), rows in prompt order: each prompt is prefilled once
+    and its cache copied to its n rows. kwargs go to sample()."""
+    with sampling(model):
+        prefix = prefill(model, prompts, tokenizer.pad_token_id)
+    index = torch.arange(len(prompts), device=prefix.last.device).repeat_interleave(n)
+    return sample(model, tokenizer, prefix.select(index), max_new_tokens, **kwargs)
 
 
-def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False,
-           stop_strings=(), keep=False) -> Samples:
-    """Continue every row of `prefix` by up to max_new_tokens tokens. A row ends at an EOS token (any of
-    eos_ids), at the token whose text completes a stop string (even when that token carries more text,
-    as BPE's '><' in '</think><answer>'), or at the length limit; ended rows leave the decode batch. Only
-    temperature and top-p shape the draw: nothing of the model's generation config but its EOS ids.
-    keep=True also returns every row as a Prefix (GRPO-MA continues its thoughts with answers).
-    Seed torch beforehand for reproducible samples."""
+def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.0, top_p=1.0,
+           greedy=False, stop_strings=(), keep=False) -> Samples:
+    """Continue every row of `prefix` by up to max_new_tokens tokens. A row ends at an EOS token
+    (any of eos_ids), at the token whose text completes a stop string (even when that token carries
+    more text, as BPE's '><' in '</think><answer>'), or at the length limit; ended rows leave the
+    decode batch. Only temperature and top-p shape the draw: nothing of the model's generation
+    config but its EOS ids. keep=True also returns every row as a Prefix (GRPO-MA continues its
+    thoughts with answers). Seed torch beforehand for reproducible samples."""
     with sampling(model):
         device = next(model.parameters()).device
         eos = torch.tensor(eos_ids(model, tokenizer), device=device)
@@ -417,6 +717,7 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         texts = [""] * B  # the text of each row so far, for stop strings
+        longest_stop = max(map(len, stop_strings), default=0)
         rows = torch.arange(B, device=device)  # the rows still being decoded
         cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
         ended_rows, ended_prefixes = [], []
@@ -432,7 +733,7 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
                 pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
                 for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
                     texts[row] += piece
-                    window = texts[row][-(len(piece) + max(map(len, stop_strings))):]  # where a new match can be
+                    window = texts[row][-(len(piece) + longest_stop):]  # where a new match can be
                     if not ended[i] and any(s in window for s in stop_strings):
                         stopped[row] = ended[i] = True
             if t == max_new_tokens - 1:
@@ -453,139 +754,87 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
         return Samples(ids[:, :C], completion_mask, finished, stopped, kept)
 
 
+@contextlib.contextmanager
+def sampling(model):
+    """No gradients, and eval mode: no dropout, and HF's gradient checkpointing, which drops the KV
+    cache in training mode, is off. The model's mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def gather_prefixes(rows, prefixes: list[Prefix]) -> Prefix:
-    """Prefixes of rows that ended at different steps, as one Prefix in row order: each is right-padded
-    (mask 0) to the longest cache."""
+    """Prefixes of rows that ended at different steps, as one Prefix in row order: each is
+    right-padded (mask 0) to the longest cache."""
     L = max(p.mask.shape[1] for p in prefixes)
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, L - t.shape[2]))  # (B, heads, l, d) -> length L
-    kv = [(torch.cat([pad(p.kv[i][0]) for p in prefixes]), torch.cat([pad(p.kv[i][1]) for p in prefixes]))
-          for i in range(len(prefixes[0].kv))]
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, L - t.shape[2]))  # (B, heads, l, d) -> L
+    kv = []
+    for layer in range(len(prefixes[0].kv)):
+        keys = torch.cat([pad(p.kv[layer][0]) for p in prefixes])
+        values = torch.cat([pad(p.kv[layer][1]) for p in prefixes])
+        kv.append((keys, values))
     mask = torch.cat([torch.nn.functional.pad(p.mask, (0, L - p.mask.shape[1])) for p in prefixes])
     merged = Prefix(kv, mask, torch.cat([p.last for p in prefixes]))
     return merged.select(rows.argsort())
 
 
-def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs) -> Samples:
-    """n samples for each prompt (token ids), rows in prompt order: each prompt is prefilled once and its
-    cache copied to its n rows. kwargs go to sample()."""
-    with sampling(model):
-        prefix = prefill(model, prompts, tokenizer.pad_token_id)
-    index = torch.arange(len(prompts), device=prefix.last.device).repeat_interleave(n)
-    return sample(model, tokenizer, prefix.select(index), max_new_tokens, **kwargs)
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's (Qwen has
+    two: <|im_end|> and <|endoftext|>)."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return sorted(ids | {tokenizer.eos_token_id})
+
+
+def left_pad(seqs: list[list[int]], pad_id: int):
+    """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids, mask
 
 
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     """The text of each completion's masked tokens, special tokens dropped."""
-    return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)]
-
-# -----------------------------------------------------------------------------
-# Rows: what every variant hands to the loss. Rows point at shared contexts (a prompt, or a prompt and a
-# GRPO-MA thought), so that each context is encoded once.
-
-
-@dataclass
-class Rows:
-    prompts: list[list[int]]       # the distinct prompts (chat-templated token ids) the rows continue
-    prompt_index: torch.Tensor     # (B,) the prompt each row continues
-    parent: torch.Tensor           # (B,) the row whose completion comes between the prompt and this row, or -1
-    completion_ids: torch.Tensor   # (B, C) right-padded
-    completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
-    advantages: torch.Tensor       # (B,) or (B, C)
-    token_weights: torch.Tensor | None = None  # (B, C) multiplies the whole per-token loss (λ-GRPO)
-
-    def __len__(self):
-        return len(self.completion_ids)
-
-    def context(self, i: int) -> list[int]:
-        """Row i's context as token ids: its prompt, then its parent's completion."""
-        ids = list(self.prompts[self.prompt_index[i]])
-        if self.parent[i] >= 0:
-            p = int(self.parent[i])
-            ids += self.completion_ids[p][self.completion_mask[p].bool()].tolist()
-        return ids
-
-    def select(self, index: torch.Tensor) -> "Rows":
-        """The rows `index` (a row's parent must be among them), keeping only the prompts they use and only
-        the completion columns that hold a token."""
-        used = self.prompt_index[index].unique()
-        new_prompt = torch.full((len(self.prompts),), -1, dtype=torch.long)
-        new_prompt[used] = torch.arange(len(used))
-        new_row = torch.full((len(self),), -1, dtype=torch.long)
-        new_row[index] = torch.arange(len(index))
-        parent = self.parent[index]
-        parent = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
-        C = max(1, int(self.completion_mask[index].sum(1).max()))
-        cut = lambda t: None if t is None else t[index][:, :C] if t.dim() == 2 else t[index]
-        return Rows([self.prompts[p] for p in used.tolist()], new_prompt[self.prompt_index[index]], parent,
-                    cut(self.completion_ids), cut(self.completion_mask), cut(self.advantages), cut(self.token_weights))
-
-
-def micro_batches(rows: Rows, size: int) -> list[Rows]:
-    """Split rows into micro-batches of about `size` rows. A row that continues a prompt directly stays
-    with the rows that continue it (a GRPO-MA thought with its answers); a prompt shared by several
-    micro-batches is encoded once in each."""
-    units = []
-    for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
-        units.append([i] + (rows.parent == i).nonzero().squeeze(1).tolist())
-    batches, current = [], []
-    for unit in units:
-        if current and len(current) + len(unit) > size:
-            batches.append(current)
-            current = []
-        current = current + unit
-    batches.append(current)
-    return [rows.select(torch.tensor(sorted(b))) for b in batches]
+    return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+            for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
 # Log-probs: log π(completion_t | context, completion_<t) / T, each shared context encoded once.
 
 
-def token_logps(lm_head, hidden, targets, mask, temperature: float):
-    """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets`, where mask is 1 (0 elsewhere): hidden
-    (B, C, H) at position t is what predicts targets[:, t]. The logits of at most ~2**25 entries exist at a
-    time, with and without gradients (the chunk's logits are recomputed in the backward pass), so memory
-    does not grow with B * C * vocabulary."""
-    keep = mask.bool()
-    h, t = hidden[keep], targets[keep]  # (N, H), (N,): only real tokens
-    chunk = max(1, 2**25 // lm_head.out_features)
-
-    def chunk_logps(h, t):
-        logits = lm_head(h).float() / temperature  # divide after the cast: bf16 logits / T would round again
-        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    pieces = []
-    for hc, tc in zip(h.split(chunk), t.split(chunk)):
-        if torch.is_grad_enabled():
-            pieces.append(torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False))
-        else:
-            pieces.append(chunk_logps(hc, tc))
-    logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-    logps[keep] = torch.cat(pieces)
-    return logps
-
-
 def rows_logps(model, rows: Rows, temperature: float, device):
-    """(B, C) per-token log-probs of the rows' completions given their contexts. Each prompt is encoded
-    once and its KV cache copied to the rows that continue it; a GRPO-MA thought's cache is copied on to
-    its answers. Gradients flow through the copies into the shared encoding, so values and gradients equal
-    those of encoding every row's context on its own (flat_logps), with a fraction of the tokens."""
+    """(B, C) per-token log-probs of the rows' completions given their contexts. Each prompt is
+    encoded once and its KV cache copied to the rows that continue it; a GRPO-MA thought's cache is
+    copied on to its answers. Gradients flow through the copies into the shared encoding, so values
+    and gradients equal those of encoding every row's context on its own (flat_logps), with a
+    fraction of the tokens."""
     B, C = rows.completion_ids.shape
     ids, cmask = rows.completion_ids.to(device), rows.completion_mask.to(device)
     parent = rows.parent.to(device)
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
-    level = parent < 0                     # rows that continue a prompt directly, then their children
+    level = parent < 0  # first the rows that continue a prompt directly, then their children
     source = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
     while level.any():
         idx = level.nonzero().squeeze(1)
         p = prefix.select(source[idx])
         n = int(cmask[idx].sum(1).max())
         target, target_mask = ids[idx, :n], cmask[idx, :n]
-        # input t is the token before target t: the context's last token, then the completion shifted by one
+        # the one-token shift: input t is the token before target t, i.e. the context's last token,
+        # then the completion shifted right by one; output t predicts target t
         x = torch.cat([p.last[:, None], target[:, :-1]], 1)
         m = torch.cat([p.mask, target_mask], 1)
         hidden, cache = run_decoder(model, x, m, cache_of(p.kv))
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-        last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each completion's last token
+        last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
         prefix = Prefix(kv_of(cache), m, last)
         position = torch.full((B,), -1, dtype=torch.long, device=device)
         position[idx] = torch.arange(len(idx), device=device)
@@ -595,403 +844,77 @@ def rows_logps(model, rows: Rows, temperature: float, device):
 
 
 def flat_logps(model, rows: Rows, temperature: float, device):
-    """rows_logps the plain way: every row encodes its whole context and completion in one forward pass,
-    without a KV cache (what --gradient-checkpointing needs: HF drops the cache when it is on)."""
+    """rows_logps the plain way: every row encodes its whole context and completion in one forward
+    pass, without a KV cache (what --gradient-checkpointing needs: HF drops the cache when it is
+    on)."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     input_ids = torch.cat([context_ids, rows.completion_ids], 1).to(device)
     attention_mask = torch.cat([context_mask, rows.completion_mask], 1).to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=False).last_hidden_state
+    # the one-token shift: position L-1 (the context's last token) predicts completion token 0
     L = context_ids.shape[1]
     return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids.to(device),
                        rows.completion_mask.to(device), temperature)
 
-# -----------------------------------------------------------------------------
-# Advantages and token weights: one small function per scheme, on plain tensors.
 
+def token_logps(lm_head, hidden, targets, mask, temperature: float):
+    """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets`, where mask is 1 (0 elsewhere):
+    hidden (B, C, H) at position t is what predicts targets[:, t]. The logits of at most ~2**25
+    entries exist at a time, with and without gradients (a chunk's logits are recomputed in the
+    backward pass), so memory does not grow with B * C * vocabulary."""
+    keep = mask.bool()
+    h, t = hidden[keep], targets[keep]  # (N, H), (N,): only real tokens
+    chunk = max(1, 2**25 // lm_head.out_features)
 
-def _nanstd(x, dim=None, keepdim=False):
-    """Unbiased (ddof=1) std that ignores NaN entries."""
-    mean = x.nanmean(dim=dim, keepdim=True) if dim is not None else x.nanmean()
-    n = (~x.isnan()).sum(dim=dim, keepdim=keepdim) if dim is not None else (~x.isnan()).sum()
-    sq = ((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim) if dim is not None else ((x - mean) ** 2).nansum()
-    return (sq / (n - 1)).sqrt()
+    def chunk_logps(h, t):
+        logits = lm_head(h).float() / temperature  # after the cast: bf16 / T would round again
+        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    pieces = []
+    for hc, tc in zip(h.split(chunk), t.split(chunk)):
+        if torch.is_grad_enabled():
+            piece = torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False)
+            pieces.append(piece)
+        else:
+            pieces.append(chunk_logps(hc, tc))
+    logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
+    logps[keep] = torch.cat(pieces)
+    return logps
 
-
-def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
-    """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
-    A = (r - group mean) / (std + eps), std unbiased (ddof=1, as TRL); scale="batch" uses the std of the
-    whole batch, "none" skips the division. A group whose rewards are all equal gets 0. NaN rewards mark
-    rows that do not exist (ragged groups): they are left out of the statistics and get NaN back.
-
-    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)
-    tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
-
-    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 has one value, so 0.)
-    """
-    r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
-    adv = r - r.nanmean(1, keepdim=True)
-    if scale == "group":
-        adv = adv / (_nanstd(r, 1, keepdim=True) + eps)
-    elif scale == "batch":
-        adv = adv / (_nanstd(rewards) + eps)
-    elif scale != "none":
-        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
-    filled = torch.where(r.isnan(), -math.inf, r)
-    emptied = torch.where(r.isnan(), math.inf, r)
-    constant = filled.amax(1, keepdim=True) == emptied.amin(1, keepdim=True)
-    adv = torch.where(constant & ~r.isnan(), 0.0, adv)  # exactly 0, not rounding noise / eps
-    return adv.reshape(rewards.shape)
-
-
-def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA advantages from a (P, K, M) reward tensor: P prompts, K thoughts each, M answers per thought.
-    A thought's value V(th_k) is the mean of its M answer rewards; the thought advantage normalises V over
-    the K thoughts of its prompt; the answer advantage normalises the rewards over all K*M answers of the
-    prompt (not within a thought). Same std convention and zero-variance rule as group_advantages.
-    A thought that was never answered (it did not close with </think>) has NaN answer rewards: its value
-    is 0 and its missing answers are left out of the answer statistics (they get NaN back).
-    Returns (thought_adv (P, K), answer_adv (P, K, M)).
-
-    One prompt, K=2, M=2, rewards [[1, 1], [1, 0]]: V = [1, 0.5], mean 0.75, std 0.3536 ->
-    thought_adv = [0.7069, -0.7069]; answers: mean 0.75, std 0.5 -> answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
-    Rewards [[1, 0], [nan, nan]]: V = [0.5, 0] -> thought_adv = [0.7069, -0.7069]; answer_adv = [[0.7070, -0.7070],
-    [nan, nan]] (the two real answers alone: mean 0.5, std 0.7071).
-    """
-    P, K, M = rewards.shape
-    values = rewards.nanmean(-1).nan_to_num(0.0)  # (P, K); an unanswered thought is worth 0
-    thought_adv = group_advantages(values.reshape(-1), K, scale, eps).reshape(P, K)
-    answer_adv = group_advantages(rewards.reshape(-1), K * M, scale, eps).reshape(P, K, M)
-    return thought_adv, answer_adv
-
-
-def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
-    """TA-GRPO advantages from a (P, N+1, G) reward tensor: question q0 and its N rephrasings, G responses
-    each. All (N+1)*G responses of a question form one group. A question with fewer than N rephrasings
-    marks the missing ones with NaN rewards (a ragged group): they are ignored and get NaN back.
-
-    One question, N=1, G=2, rewards [[1, 1], [0, 1]]: the q0 group alone has zero variance, but pooled
-    mean 0.75, std 0.5 -> [[0.4999, 0.4999], [-1.4997, 0.4999]].
-    """
-    P, Q, G = rewards.shape
-    return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
-
-
-def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0.
-
-    λ(i,t), the process set of token t of completion i, is the set of completions j in i's group whose
-    tokens 0..t (up to and including t) equal i's and are all unmasked; it counts i itself and exact
-    duplicates. Tokens in a shared prefix are trained once per prefix instead of once per completion.
-    Rows form groups of `group_size` consecutive rows. Exact and loop-free: compare every pair of rows of a
-    group token by token, and a running product turns "equal at t" into "equal up to and including t";
-    this takes B * group_size * T bytes.
-
-    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; others 1.
-    """
-    B, T = completion_ids.shape
-    ids = completion_ids.view(-1, group_size, T)        # (groups, G, T)
-    mask = completion_mask.view(-1, group_size, T).bool()
-    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T): i, j, t
-    counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)          # |λ(i,t)|, (groups, G, T)
-    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).view(B, T)
-
-# -----------------------------------------------------------------------------
-# Loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
-
-
-def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps=None,
-                token_weights=None, beta=0.0, epsilon=0.2, epsilon_high=None, loss_type="dapo",
-                max_completion_length=None):
-    """GRPO surrogate loss (to minimise) and metrics.
-
-    per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
-    with ρ = exp(logp - old); advantages (B,) broadcast over tokens, or (B, T) per token. token_weights
-    (B, T) multiply the whole per-token loss (policy and KL) and leave the normaliser alone (λ-GRPO).
-    Aggregation as TRL: grpo = mean over rows of each row's token mean; bnpo/dapo = sum over all tokens /
-    number of tokens; dr_grpo = sum / (B * max_completion_length).
-    Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5, bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
-    """
-    mask = completion_mask.float()
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    epsilon_high = epsilon_high or epsilon
-    ratio = torch.exp(per_token_logps - old_per_token_logps)
-    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    loss = -torch.min(ratio * adv, clipped * adv)  # (B, T)
-    metrics = {}
-    if beta:
-        delta = ref_per_token_logps - per_token_logps
-        kl = torch.exp(delta) - delta - 1
-        loss = loss + beta * kl
-        metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
-    if token_weights is not None:
-        loss = loss * token_weights
-    if loss_type == "grpo":
-        total = ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type in ("bnpo", "dapo"):
-        total = (loss * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        total = (loss * mask).sum() / (loss.shape[0] * (max_completion_length or loss.shape[1]))
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    n = mask.sum().clamp(min=1)
-    with torch.no_grad():
-        metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)).float() * mask).sum().item() / n.item()
-        metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)).float() * mask).sum().item() / n.item()
-    return total, metrics
-
-# -----------------------------------------------------------------------------
-# Rollouts: one function per variant samples completions, scores them and fills rows.
-
-
-class timed:
-    """`with timed(metrics, "time/sample"):` adds the block's wall seconds to metrics[key]."""
-
-    def __init__(self, metrics, key):
-        self.metrics, self.key = metrics, key
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.metrics[self.key] = self.metrics.get(self.key, 0.0) + time.perf_counter() - self.start
-
-
-def score_batch(tokenizer, samples: Samples, answers, format_reward=0.0, prefixes=None):
-    """Rewards (B,) and parsed flags (B,) of sampled completions; prefixes (e.g. a thought) are prepended."""
-    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
-    if prefixes is not None:
-        texts = [p + t for p, t in zip(prefixes, texts)]
-    scored = [score(t, a, bool(f), format_reward) for t, a, f in zip(texts, answers, samples.finished)]
-    return torch.tensor([r for r, _ in scored]), torch.tensor([p for _, p in scored])
-
-
-def sample_metrics(rewards, group_size, parsed, samples: Samples) -> dict:
-    """Reward, zero-variance, length, truncation and parse metrics of one step's samples."""
-    groups = rewards.reshape(-1, group_size)
-    lengths = samples.completion_mask.sum(1).float()
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": (groups.amax(1) == groups.amin(1)).float().mean().item(),
-            "completion_length": lengths.mean().item(), "completion_length_max": lengths.max().item(),
-            "truncated": 1 - samples.finished.float().mean().item(), "unparseable": 1 - parsed.float().mean().item(),
-            "tokens": lengths.sum().item()}
-
-
-def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the rows also
-    carry 1/|λ| token weights."""
-    G, metrics = cfg.num_generations, {}
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
-    with timed(metrics, "time/sample"):
-        s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
-    with timed(metrics, "time/score"):
-        answers = [row["answer"] for row in batch for _ in range(G)]
-        rewards, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
-        advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
-        weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much the completions share prefixes
-    on = mask.bool()
-    metrics.update(sample_metrics(rewards, G, parsed, s),
-                   lambda_mean=(1 / weights[on]).mean().item(),           # mean |λ| over completion tokens
-                   lambda_shared=(weights[on] < 1).float().mean().item())  # share of tokens with |λ| > 1
-    prompt_index = torch.arange(len(batch)).repeat_interleave(G)
-    token_weights = weights if cfg.variant == "lambda" else None
-    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages, token_weights), metrics
-
-
-def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, each stopped by the token whose text completes </think> (with a BPE
-    tokenizer that token can carry more text, e.g. '><' of '</think><answer>'), then M answers per thought,
-    continued from the thought's KV cache (its tokens as sampled) and stopped at EOS. An answer is scored on
-    the thought's text + its own text (only what follows </think> can be the answer).
-
-    A thought whose text has no </think> (length limit or EOS) is *unclosed*: it is not continued, its M
-    answers are missing (NaN rewards, left out of the answer statistics), its value is 0, and the thought
-    row itself is trained with its (usually negative) thought advantage. Counted in metrics["unclosed_thoughts"].
-
-    Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M times;
-    each answer is one row (context = prompt + its thought: its parent is the thought row, advantage =
-    answer advantage). Under the token aggregations (dapo, bnpo) every thought and answer token weighs the
-    same in one token mean, so the K*M answers together outweigh the K thoughts when answers are as long;
-    under grpo each row (thought or answer) is one sequence of the row mean; under dr_grpo every token
-    counts 1/(rows * max length).
-    """
-    K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
-    P = len(batch)
-    prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
-    with timed(metrics, "time/sample"):
-        th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, temperature=cfg.temperature,
-                      top_p=cfg.top_p, stop_strings=["</think>"], keep=True)
-    closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
-    keep = closed.nonzero().squeeze(1)
-    thoughts = decode(tokenizer, th.completion_ids, th.completion_mask)
-    rewards = torch.full((P * K, M), math.nan)  # (P*K, M): unclosed thoughts have no answers
-    answer_rows = keep.repeat_interleave(M)  # the thought each answer continues
-    metrics.update(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
-    if len(keep):
-        with timed(metrics, "time/sample"):
-            ans = sample(model, tokenizer, th.prefix.select(answer_rows.to(th.prefix.last.device)),
-                         cfg.max_answer_tokens, cfg.temperature, cfg.top_p)
-        with timed(metrics, "time/score"):
-            answers = [batch[k // K]["answer"] for k in answer_rows.tolist()]
-            r, parsed = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                    prefixes=[thoughts[k] for k in answer_rows.tolist()])
-            rewards[keep] = r.view(-1, M)
-        metrics.update(answer_reward=r.mean().item(), answer_length=ans.completion_mask.sum(1).float().mean().item(),
-                       truncated=1 - ans.finished.float().mean().item(), unparseable=1 - parsed.float().mean().item())
-    thought_adv, answer_adv = on_global_batch(ma_advantages, rewards.view(P, K, M), cfg.scale_rewards)
-    # rows: the P*K thoughts, then the answers of the closed ones
-    ids, mask = [th.completion_ids.cpu()], [th.completion_mask.cpu()]
-    advantages = [thought_adv.reshape(-1)]
-    if len(keep):
-        ids.append(ans.completion_ids.cpu())
-        mask.append(ans.completion_mask.cpu())
-        advantages.append(answer_adv.reshape(-1, M)[keep].reshape(-1))
-    C = max(t.shape[1] for t in ids)
-    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
-    ids = torch.cat([right(t, tokenizer.pad_token_id) for t in ids])
-    mask = torch.cat([right(t, 0) for t in mask])
-    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_rows // K])
-    parent = torch.cat([torch.full((P * K,), -1), answer_rows])
-    values = rewards.view(P, K, M).nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
-    metrics.update(reward=values.mean().item(), reward_std=values.std().item(), thought_reward=values.mean().item(),
-                   frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
-                   unclosed_thoughts=1 - closed.float().mean().item(), tokens=mask.sum().item(),
-                   thought_length=th.completion_mask.sum(1).float().mean().item())
-    return Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages)), metrics
-
-
-def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """TA-GRPO: for each question q0 take up to N of its rephrasings (a fresh random subset each step),
-    sample G responses to each of the N+1 questions, score each response as it is, and normalise the
-    advantages jointly over the question's (n+1)*G responses (ragged when a question has n < N).
-    With --ta-anchor original (paper v5) every row's context is q0's prompt, so the current, old and
-    reference log-probs are all log π(o | q0); `rephrased` keeps the prompt that produced the response
-    (the public code's behaviour)."""
-    G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
-    questions = [[row["question"]] + rng.sample(row["rephrasings"], min(N, len(row["rephrasings"]))) for row in batch]
-    slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
-    p_idx, j_idx, g_idx = torch.tensor(slots).T  # row -> (question, phrasing, sample)
-    phrasings = [prompt_ids(tokenizer, q, cfg.system_prompt) for qs in questions for q in qs]
-    with timed(metrics, "time/sample"):
-        s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-    with timed(metrics, "time/score"):
-        r, parsed = score_batch(tokenizer, s, [batch[p]["answer"] for p, _, _ in slots], cfg.format_reward)
-        rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN = no such phrasing
-        rewards[p_idx, j_idx, g_idx] = r
-        advantages = on_global_batch(ta_advantages, rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
-    if cfg.ta_anchor == "rephrased":
-        prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
-    else:
-        first = [0] + np.cumsum([len(qs) for qs in questions])[:-1].tolist()  # q0 of each question
-        prompts, prompt_index = [phrasings[i] for i in first], p_idx
-    originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
-    pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
-    metrics.update(sample_metrics(r, G, parsed, s),
-                   frac_reward_zero_std=(originals.amax(1) == originals.amin(1)).float().mean().item(),
-                   frac_reward_zero_std_pooled=float(np.mean([(g.max() == g.min()).item() for g in pooled])),
-                   reward_original=originals.mean().item(), reward_rephrased=r[j_idx > 0].mean().item())
-    ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
-    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages), metrics
-
-
-ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
-
-# -----------------------------------------------------------------------------
-# Update: log-probs of the rows, μ clipped steps. The same code for every variant.
-
-
-def world_size() -> int:
-
-    """Number of data-parallel ranks (1 without torchrun)."""
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum (or mean, or max) plain numbers over the data-parallel ranks; identity in a single process."""
-    if not torch.distributed.is_initialized():
-        return values
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
-    return (t / world_size() if op == "mean" else t).tolist()
-
-
-def on_global_batch(scheme, rewards, *args):
-    """scheme(rewards, *args) computed on the rewards of all ranks, returning this rank's part (as TRL does),
-    so that batch statistics (--scale-rewards batch) are those of the whole batch. Every rank holds the same
-    number of prompts, so the rewards tensors have the same shape; one process: scheme(rewards, *args)."""
-    if not torch.distributed.is_initialized():
-        return scheme(rewards, *args)
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    parts = [torch.empty_like(rewards, device=device) for _ in range(world_size())]
-    torch.distributed.all_gather(parts, rewards.to(device))
-    result = scheme(torch.cat(parts).cpu(), *args)
-    n, rank = len(rewards), torch.distributed.get_rank()
-    if isinstance(result, tuple):
-        return tuple(r[rank * n:(rank + 1) * n] for r in result)
-    return result[rank * n:(rank + 1) * n]
-
-
-def sum_gradients(model):
-    """Sum the gradients over the ranks (DDP does this, overlapped with the backward pass; here it is
-    one all-reduce per parameter after the last micro-batch); a single process: nothing."""
-    if not torch.distributed.is_initialized():
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            torch.distributed.all_reduce(p.grad)
-
-
-def reduce_metrics(metrics: dict) -> dict:
-    """A rank's rollout metrics averaged over the ranks (the maximum for *_max keys)."""
-    keys = sorted(metrics)
-    means, maxima = (all_reduce([metrics[k] for k in keys], op) for op in ("mean", "max"))
-    return {k: hi if k.endswith("_max") else m for k, m, hi in zip(keys, means, maxima)}
-
-
-def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> list[float]:
-    """The weight of each micro-batch's loss (rows[j] rows, tokens[j] completion tokens) so that the sum of
-    weighted losses over micro-batches, and over ranks (gradients are summed over ranks), is the loss of
-    the whole batch. dapo's micro loss is a token mean, so it weighs its share of the batch's tokens;
-    grpo's and dr_grpo's are row means, so they weigh their share of the rows; TRL's bnpo normalises each
-    micro-batch on its own and averages them, over all ranks.
-    One rank, micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and bnpo 1/2, 1/2."""
-    all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), len(rows)])
-    if loss_type == "dapo":
-        return [t / max(all_tokens, 1) for t in tokens]
-    if loss_type in ("grpo", "dr_grpo"):
-        return [r / all_rows for r in rows]
-    return [1 / all_micro] * len(rows)
+# =============================================================================
+# 4. The update and the training loop.
+# =============================================================================
 
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses are
-    weighted to add up to the loss of the whole (global) batch; gradients are summed over the ranks."""
+    """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses
+    are weighted to add up to the loss of the whole (global) batch; gradients are summed over the
+    ranks."""
     metrics = {}
     micro = micro_batches(rows, cfg.micro_batch_size)
     tokens = [m.completion_mask.sum().item() for m in micro]
     weights = micro_batch_weights(cfg.loss_type, [len(m) for m in micro], tokens)
-    token_share = micro_batch_weights("dapo", [len(m) for m in micro], tokens)  # kl and clip are token means
+    # kl and the clip fractions are token means of the batch, whatever the loss type
+    token_share = micro_batch_weights("dapo", [len(m) for m in micro], tokens)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     with timed(metrics, "time/logps"), torch.no_grad():
-        # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the current ones
-        old = [logps_of(model, m, cfg.temperature, device) for m in micro] if cfg.num_iterations > 1 else None
-        ref = [logps_of(ref_model, m, cfg.temperature, device) for m in micro] if cfg.beta > 0 else None
+        # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the
+        # current ones, detached
+        old, ref = None, None
+        if cfg.num_iterations > 1:
+            old = [logps_of(model, m, cfg.temperature, device) for m in micro]
+        if cfg.beta > 0:
+            ref = [logps_of(ref_model, m, cfg.temperature, device) for m in micro]
     totals, grad_norms = {}, []
     with timed(metrics, "time/update"):
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature, device)
                 loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), m.advantages.to(device), m.completion_mask.to(device),
-                    ref_per_token_logps=ref[j] if ref else None,
+                    logps, old[j] if old else logps.detach(), m.advantages.to(device),
+                    m.completion_mask.to(device), ref_per_token_logps=ref[j] if ref else None,
                     token_weights=None if m.token_weights is None else m.token_weights.to(device),
                     beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
                     loss_type=cfg.loss_type, max_completion_length=max_len)
@@ -1000,79 +923,27 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
                     share = weights[j] if key == "loss" else token_share[j]
                     totals[key] = totals.get(key, 0.0) + value * share / cfg.num_iterations
             sum_gradients(model)
-            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norms.append(norm.item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    metrics.update(zip(totals, all_reduce(list(totals.values()))), grad_norm=float(np.mean(grad_norms)))
+    metrics.update(zip(totals, all_reduce(list(totals.values()))))
+    metrics["grad_norm"] = float(np.mean(grad_norms))
     return metrics
 
-# -----------------------------------------------------------------------------
-# Train loop and checkpoints.
 
-
-def pick_device(name: str) -> torch.device:
-    """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: CUDA is not available on this machine")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("--device mps: MPS is not available on this machine")
-    return torch.device(name)
-
-
-def load_model(path: str, device):
-    """Model and tokenizer from a local folder or the hub; left padding, a pad token, fp32 weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-        raise ConfigError(f"--model {path}: no such folder")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except Exception as e:  # a missing, corrupt or empty file: say which folder, in one line
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--model {path}: cannot load a model and tokenizer there ({reason})") from None
-    if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return model.to(device), tokenizer
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints in a run folder, oldest first (a save in progress is '*.tmp')."""
-    found = [p for p in out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config) -> Path:
-    """Write out/checkpoint-<step>: save_pretrained of model and tokenizer, plus optimizer, schedule, step
-    and config in state.pt. Atomic: everything goes to a temporary folder that is renamed when complete,
-    so a save that dies half-way leaves the previous checkpoint as it was; then older ones are removed."""
-    final = out / f"checkpoint-{step}"
-    if not final.is_dir():
-        tmp = out / f"checkpoint-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "config": asdict(cfg)}, tmp / "state.pt")
-        os.replace(tmp, final)
-    for old in checkpoints(out):
-        if old != final:
-            shutil.rmtree(old)
-    return final
-
-
-def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int, device) -> dict:
-    """One step: draw P prompts, sample and score (this rank's share), then update. Returns the step's
-    metrics."""
+def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, step: int,
+               device) -> dict:
+    """One step: draw P prompts, sample and score (this rank's share), then update. Returns the
+    step's metrics."""
     t_step = time.perf_counter()
     W = world_size()
     rank = torch.distributed.get_rank() if W > 1 else 0
-    rng = random.Random(cfg.seed * 1_000_003 + step)      # data and sampling depend on (seed, step) only,
-    torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)  # so a resumed run continues the same stream
+    # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
     batch = rng.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-    batch = batch[rank * len(batch) // W:(rank + 1) * len(batch) // W]  # whole groups stay on one rank
+    batch = batch[rank * len(batch) // W:(rank + 1) * len(batch) // W]  # whole groups on one rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
     metrics = reduce_metrics(metrics)
     metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
@@ -1081,42 +952,381 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     return metrics
 
 
-def setup_distributed(cfg: Config):
-    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join the process group (NCCL on GPUs, gloo on CPU).
-    Returns (rank, device); a plain `python grpo.py` is rank 0 of 1."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
-        return 0, pick_device(cfg.device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if cfg.prompts_per_step % world:
-        raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {world} ranks")
-    device = pick_device(cfg.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, device
+def train(cfg: Config) -> dict:
+    """Run GRPO (or a variant) as configured; returns the summary it also prints and saves (rank 0).
+    Checkpoints every --save-every steps; SIGTERM, Ctrl-C and an exception save the last completed
+    step (see signals_handled); --resume continues from the latest checkpoint."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    train_rows = load_jsonl(cfg.data)
+    test_rows = load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
+    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
+        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    rank, device = setup_distributed(cfg)
+    W, main_rank = world_size(), rank == 0
+    checkpoint = prepare_out(cfg, main_rank)
+    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device, checkpoint)
+    max_positions = model.config.max_position_embeddings
+    check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
+    check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
+    out = Path(cfg.out)
+    log = open_metrics(out, start if checkpoint else None) if main_rank else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
+
+    def write(record):
+        if main_rank:
+            log.write(json.dumps(finite(record), allow_nan=False) + "\n")
+            log.flush()
+
+    def run_eval(step):  # at step 0, every --eval-every steps and at the end; rank 0 only
+        if step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            result = None
+            if main_rank:
+                with autocast:
+                    result = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+            write({"step": step, "eval": result})
+            if W > 1:
+                torch.distributed.barrier()
+
+    t0 = time.time()
+    done = start  # completed steps: the weights are those of step `done`
+    with signals_handled(optimizer):
+        try:
+            run_eval(start)
+            for step in tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True,
+                             disable=not main_rank):
+                with autocast:
+                    metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, train_rows,
+                                         step, device)
+                scheduler.step()
+                done = step + 1
+                write({"step": done, "lr": scheduler.get_last_lr()[0], **metrics})
+                step_counted()
+                due = done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)
+                if main_rank and due:
+                    save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+                run_eval(done)
+        except Interrupted as e:
+            where = out
+            if main_rank:
+                where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+            sys.exit(f"grpo.py: {e} after step {done}: checkpoint saved in {where}; "
+                     f"continue with --resume")
+        except BaseException:
+            if main_rank and not _signals["weights_ahead"]:
+                where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+                print(f"grpo.py: step {done + 1} failed; the checkpoint of step {done} is in "
+                      f"{where}", file=sys.stderr)
+            elif main_rank:
+                print(f"grpo.py: step {done + 1} failed while the optimizer was changing the "
+                      f"weights; nothing saved (the last checkpoint in {out} stands)",
+                      file=sys.stderr)
+            raise
+    if W > 1:
+        torch.distributed.destroy_process_group()
+    return report(cfg, time.time() - t0) if main_rank else None
+
+
+def report(cfg: Config, wall_s: float) -> dict:
+    """Print and save the end-of-run summary from metrics.jsonl: the run's first and last eval (a
+    resumed run included) and the median phase times."""
+    text = (Path(cfg.out) / "metrics.jsonl").read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    evals = [r["eval"] for r in lines if "eval" in r]
+    steps = [r for r in lines if "time/step" in r]
+    phases = {}
+    for key in steps[0] if steps else {}:
+        if key.startswith("time/"):
+            phases[key[5:]] = float(np.median([r[key] for r in steps]))
+    before, after = evals[0], evals[-1]
+    summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
+               "wall_s": wall_s, "median_seconds_per_step": phases}
+    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    if phases:
+        table = "\n".join(f"  {k:<8} {v:7.3f}" for k, v in phases.items())
+        print("median seconds per step:\n" + table)
+    k = f"pass@{cfg.eval_samples}"
+    print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
+          f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
+          f"{k} {before.get(k, math.nan):.3f} -> {after.get(k, math.nan):.3f} | {wall_s:.0f} s")
+    return summary
+
+# =============================================================================
+# 5. Eval: greedy accuracy and pass@k on the held-out set.
+# =============================================================================
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int,
+             max_rows: int = 512) -> dict:
+    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
+    training temperature (pass@1 is the mean accuracy of those samples); at most max_rows sampled at
+    once."""
+    torch.manual_seed(seed)
+    n = cfg.eval_samples
+    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: both
+    greedy, correct = [], []
+    step = max(1, max_rows // n)
+    for i in range(0, len(rows), step):
+        chunk = rows[i:i + step]
+        prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in chunk]
+        answers = [row["answer"] for row in chunk]
+        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
+        greedy.append(score_batch(tokenizer, s, answers)[0])
+        s = generate(model, tokenizer, prompts, n, limit, temperature=cfg.temperature,
+                     top_p=cfg.top_p)
+        correct.append(score_batch(tokenizer, s, [a for a in answers for _ in range(n)])[0])
+    counts = torch.cat(correct).view(len(rows), n).sum(1).long().tolist()
+    result = {"greedy": torch.cat(greedy).mean().item()}
+    for k in range(1, n + 1):
+        result[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
+    return result
+
+# =============================================================================
+# 6. Plumbing: a first read can stop here. Flags and their checks, data files, model loading,
+#    checkpoints and resume, signals, the metrics file, data-parallel helpers, timing.
+# =============================================================================
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class DataError(ValueError):
+    pass
+
+
+def parse_args(argv=None) -> Config:
+    """Build argparse from the Config fields (--field-name), then check the values."""
+    parser = argparse.ArgumentParser(description="GRPO and variants in one file.")
+    parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
+    for f in fields(Config):
+        flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help)
+        else:
+            parser.add_argument(flag, type=f.type, default=f.default, choices=f.metadata["choices"],
+                                help=help)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config):
+    """Stop on impossible values with one line naming the flag."""
+    at_least = [("num_generations", 2), ("prompts_per_step", 1), ("num_thoughts", 2),
+                ("num_answers", 1), ("num_rephrasings", 1), ("max_new_tokens", 1),
+                ("max_answer_tokens", 1), ("num_iterations", 1), ("micro_batch_size", 1),
+                ("eval_samples", 1), ("steps", 0), ("warmup_steps", 0), ("eval_every", 0),
+                ("eval_limit", 0), ("save_every", 0), ("beta", 0.0), ("epsilon", 0.0),
+                ("epsilon_high", 0.0), ("weight_decay", 0.0)]
+    above = ["lr", "temperature", "max_grad_norm"]
+    flag = lambda name: "--" + name.replace("_", "-")
+    for name in ["lr", "temperature", "top_p", "beta", "epsilon", "epsilon_high", "format_reward",
+                 "weight_decay", "max_grad_norm"]:
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError(f"{flag(name)} must be a finite number, got {getattr(cfg, name)}")
+    for name, low in at_least:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"{flag(name)} must be >= {low}, got {getattr(cfg, name)}")
+    for name in above:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(cfg, name)}")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+
+# -----------------------------------------------------------------------------
+# Data files: JSONL rows {"question": str, "answer": str, "rephrasings": [str, ...]} (rephrasings
+# optional); every bad line stops with 'file:line: field ...'.
+
+
+class Row(dict):
+    """A data row {"question", "answer", "rephrasings"} that remembers its 'file:line' for
+    errors."""
+    where = ""
+
+
+def load_jsonl(path) -> list[Row]:
+    """Read and check a data file; any bad line stops with 'file:line: field ...'."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    rows = []
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad = f"byte {raw[e.start]:#04x} at column {e.start + 1}"
+            raise DataError(f"{where}: not UTF-8 ({bad})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object with 'question' and 'answer'")
+        for key in ("question", "answer"):
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
+                value = row[key] = str(value)
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: field '{key}' is missing or empty")
+        rephrasings = row.setdefault("rephrasings", [])
+        texts = isinstance(rephrasings, list) and all(isinstance(r, str) for r in rephrasings)
+        if not texts or not all(r.strip() for r in rephrasings):
+            raise DataError(f"{where}: field 'rephrasings' must be a list of non-empty strings")
+        row = Row(row)
+        row.where = where
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
+    """Chat-template a question (with the system prompt) into token ids, generation prompt
+    included."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def check_lengths(tokenizer, rows: list[Row], cfg, max_positions: int, phrasings: bool):
+    """Stop before training when a prompt plus its completion budget (thought + answer for ma) would
+    run past the model's positions; phrasings=True checks the rephrasings too."""
+    budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    for row in rows:
+        for question in [row["question"]] + (row["rephrasings"] if phrasings else []):
+            n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
+            if n + budget > max_positions:
+                raise DataError(f"{row.where}: a prompt of {n} tokens + {budget} new tokens = "
+                                f"{n + budget} exceeds the model's {max_positions} positions "
+                                f"(max_position_embeddings); shorten the question or lower "
+                                f"--max-new-tokens")
+
+# -----------------------------------------------------------------------------
+# Model loading, checkpoints and resume.
+
+
+def pick_device(name: str) -> torch.device:
+    """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
+    if name == "auto":
+        name = "cpu"
+        if torch.backends.mps.is_available():
+            name = "mps"
+        if torch.cuda.is_available():
+            name = "cuda"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available on this machine")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device mps: MPS is not available on this machine")
+    return torch.device(name)
+
+
+def load_model(path: str, device):
+    """Model and tokenizer from a local folder or the hub; left padding, a pad token, fp32
+    weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ConfigError(f"--model {path}: no such folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:  # a missing, corrupt or empty file: say which folder, in one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--model {path}: cannot load a model and tokenizer there "
+                          f"({reason})") from None
+    if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.to(device), tokenizer
+
+
+def load_run(cfg: Config, device, checkpoint: Path | None):
+    """Policy, tokenizer, reference (only when beta > 0), optimizer and schedule, and the step to
+    start from (the checkpoint's, when resuming)."""
+    state = load_state(checkpoint, cfg) if checkpoint else None
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(str(checkpoint) if checkpoint else cfg.model, device)
+    ref_model = None
+    if cfg.beta > 0:  # the frozen starting policy
+        ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    return model, tokenizer, ref_model, optimizer, scheduler, state["step"] if state else 0
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints in a run folder, oldest first (a save in progress is '*.tmp')."""
+    found = [p for p in out.glob("checkpoint-*")
+             if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int,
+                    cfg: Config) -> Path:
+    """Write out/checkpoint-<step>: save_pretrained of model and tokenizer, plus optimizer,
+    schedule, step and config in state.pt. Atomic: everything goes to a temporary folder that is
+    renamed when complete, so a save that dies half-way leaves the previous checkpoint as it was;
+    then older ones are removed."""
+    final = out / f"checkpoint-{step}"
+    if not final.is_dir():
+        tmp = out / f"checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "step": step, "config": asdict(cfg)}, tmp / "state.pt")
+        os.replace(tmp, final)
+    for old in checkpoints(out):
+        if old != final:
+            shutil.rmtree(old)
+    return final
 
 
 # Flags that a resumed run may change: where and how it runs and evaluates, not what it trains.
-RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eval_samples", "eval_limit",
-             "test_data", "save_every", "micro_batch_size", "gradient_checkpointing"}
+RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eval_samples",
+             "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing"}
 
 
 def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
-    """Check the run folder: a folder that already holds a run is only continued (--resume) or replaced
-    (--overwrite), never silently reused. Returns the checkpoint to resume from, if any."""
+    """Check the run folder: a folder that already holds a run is only continued (--resume) or
+    replaced (--overwrite), never silently reused. Returns the checkpoint to resume from, if any."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file, not a folder")
-    found = sorted(p.name for p in out.glob("*") if p.name in ("metrics.jsonl", "summary.json", "state.pt")
-                   or p.name.startswith("checkpoint-")) if out.is_dir() else []
+    found = []
+    if out.is_dir():
+        found = sorted(p.name for p in out.glob("*") if p.name.startswith("checkpoint-")
+                       or p.name in ("metrics.jsonl", "summary.json", "state.pt"))
     if cfg.resume:
         if not checkpoints(out):
-            raise ConfigError(f"--resume: no checkpoint in {out} (no {out}/checkpoint-<step> folder)")
+            raise ConfigError(f"--resume: no checkpoint in {out} (no {out}/checkpoint-<step> "
+                              f"folder)")
         return checkpoints(out)[-1]
     if found and not cfg.overwrite:
-        raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume "
-                          f"or replace it with --overwrite")
+        raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with "
+                          f"--resume or replace it with --overwrite")
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write-test").touch()
@@ -1129,56 +1339,46 @@ def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
 
 
 def load_state(checkpoint: Path, cfg: Config) -> dict:
-    """state.pt of a checkpoint (tensors and plain values only: weights_only, so a run folder from elsewhere
-    cannot run code), after checking that the flags keep the run's meaning and --steps goes further."""
+    """state.pt of a checkpoint (tensors and plain values only: weights_only, so a run folder from
+    elsewhere cannot run code), after checking that the flags keep the run's meaning and that
+    --steps goes further."""
     path = checkpoint / "state.pt"
     try:
         state = torch.load(path, weights_only=True)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--resume: {path} is not a checkpoint this file wrote ({reason})") from None
+        raise ConfigError(f"--resume: {path} is not a checkpoint this file wrote "
+                          f"({reason})") from None
     saved, now = Config(**{**asdict(cfg), **state["config"]}), cfg
-    same = lambda a, b: a == b or (isinstance(a, str) and os.path.exists(a) and os.path.samefile(a, b))
-    may_change = RESUMABLE - ({"micro_batch_size"} if cfg.loss_type == "bnpo" else set())  # bnpo: per micro-batch
-    differ = [f.name for f in fields(Config)
-              if f.name not in may_change and not same(getattr(saved, f.name), getattr(now, f.name))]
+    def same(a, b):  # equal, or two spellings of one existing path
+        return a == b or (isinstance(a, str) and os.path.exists(a) and os.path.samefile(a, b))
+    # bnpo normalises per micro-batch, so there the micro-batch size changes the loss
+    may_change = RESUMABLE - ({"micro_batch_size"} if cfg.loss_type == "bnpo" else set())
+    differ = [f.name for f in fields(Config) if f.name not in may_change
+              and not same(getattr(saved, f.name), getattr(now, f.name))]
     if differ:
-        change = ", ".join(f"--{n.replace('_', '-')} {getattr(saved, n)} -> {getattr(now, n)}" for n in differ)
-        raise ConfigError(f"--resume: {change} would change what the run in {checkpoint.parent} means; "
-                          f"keep its flags or start a new run in another --out")
+        change = ", ".join(f"--{n.replace('_', '-')} {getattr(saved, n)} -> {getattr(now, n)}"
+                           for n in differ)
+        raise ConfigError(f"--resume: {change} would change what the run in {checkpoint.parent} "
+                          f"means; keep its flags or start a new run in another --out")
     finished = (checkpoint.parent / "summary.json").exists()
     if cfg.steps < state["step"] or (cfg.steps == state["step"] and finished):
-        raise ConfigError(f"--resume: the run is at step {state['step']}; --steps {cfg.steps} must be larger")
+        raise ConfigError(f"--resume: the run is at step {state['step']}; --steps {cfg.steps} "
+                          f"must be larger")
     return state
 
-
-def load_run(cfg: Config, device, checkpoint: Path | None):
-    """Policy, tokenizer, reference (only when beta > 0), optimizer and schedule, and the step to start
-    from (the checkpoint's, when resuming)."""
-    state = load_state(checkpoint, cfg) if checkpoint else None
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(str(checkpoint) if checkpoint else cfg.model, device)
-    ref_model = None
-    if cfg.beta > 0:  # the frozen starting policy
-        ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1)))
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    return model, tokenizer, ref_model, optimizer, scheduler, state["step"] if state else 0
+# -----------------------------------------------------------------------------
+# Signals: SIGTERM (what Slurm and Kubernetes send before they stop a job) and Ctrl-C save the last
+# completed step.
 
 
 class Interrupted(Exception):
-    """SIGTERM (what Slurm and Kubernetes send before they stop a job) or Ctrl-C."""
+    """SIGTERM or Ctrl-C."""
 
 
-# From the optimizer's first step in a training step until the step counter says so, the weights are ahead
-# of the counter: a signal arriving then is held until the step is counted, so a checkpoint never pairs N
-# updates with step N-1; an exception arriving then cannot be saved from.
+# From the optimizer's first step in a training step until the step counter says so, the weights
+# are ahead of the counter: a signal arriving then is held until the step is counted, so a
+# checkpoint never pairs N updates with step N-1; an exception arriving then cannot be saved from.
 _signals = {"weights_ahead": False, "held": None}
 
 
@@ -1200,13 +1400,14 @@ def step_counted():
 
 @contextlib.contextmanager
 def signals_handled(optimizer):
-    """Turn SIGTERM and Ctrl-C into Interrupted (in the main thread) and mark every optimizer step as the
-    start of 'weights ahead of the counter'; restore the previous handlers afterwards."""
+    """Turn SIGTERM and Ctrl-C into Interrupted (in the main thread) and mark every optimizer step
+    as the start of 'weights ahead of the counter'; restore the previous handlers afterwards."""
     def ahead(*args):
         _signals["weights_ahead"] = True
     hook = optimizer.register_step_pre_hook(ahead)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
@@ -1215,146 +1416,127 @@ def signals_handled(optimizer):
             signal.signal(s, handler)
         _signals.update(weights_ahead=False, held=None)
 
+# -----------------------------------------------------------------------------
+# The metrics file.
+
 
 def finite(record: dict) -> dict:
     """NaN and infinities -> None (null), recursively: metrics.jsonl stays strict JSON."""
-    clean = lambda v: finite(v) if isinstance(v, dict) else None if isinstance(v, float) and not math.isfinite(v) else v
+    def clean(value):
+        if isinstance(value, dict):
+            return finite(value)
+        return None if isinstance(value, float) and not math.isfinite(value) else value
     return {k: clean(v) for k, v in record.items()}
 
 
 def open_metrics(out: Path, resume_from: int | None):
-    """metrics.jsonl for appending. A resumed run first drops what came after its checkpoint (steps it will
-    redo, and the eval at the checkpoint's step, which it redoes), so the file reads as one run."""
+    """metrics.jsonl for appending. A resumed run first drops what came after its checkpoint (steps
+    it will redo, and the eval at the checkpoint's step, which it redoes), so the file reads as one
+    run."""
     path = out / "metrics.jsonl"
     if resume_from is not None and path.exists():
-        start = resume_from
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [r for r in lines if r["step"] < start or (r["step"] == start and "eval" not in r)]
+        kept = [r for r in lines
+                if r["step"] < resume_from or (r["step"] == resume_from and "eval" not in r)]
         (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(out / "metrics.jsonl.tmp", path)
     return open(path, "a")
 
-
-def train(cfg: Config) -> dict:
-    """Run GRPO (or a variant) as configured; returns the summary it also prints and saves (rank 0)."""
-    import transformers
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    train_rows, test_rows = load_jsonl(cfg.data), load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
-    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
-        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
-    rank, device = setup_distributed(cfg)
-    W, main_rank = world_size(), rank == 0
-    checkpoint = prepare_out(cfg, main_rank)
-    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device, checkpoint)
-    max_positions = model.config.max_position_embeddings
-    check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
-    check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
-    out = Path(cfg.out)
-    log = open_metrics(out, start if checkpoint else None) if main_rank else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
-
-    def write(record):
-        if main_rank:
-            log.write(json.dumps(finite(record), allow_nan=False) + "\n")
-            log.flush()
-
-    def run_eval(step):  # at step 0, every --eval-every steps and at the end; rank 0 evaluates, the others wait
-        if step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            with autocast:
-                write({"step": step, "eval": evaluate(model, tokenizer, test_rows, cfg, eval_seed) if main_rank else None})
-            if W > 1:
-                torch.distributed.barrier()
-
-    t0 = time.time()
-    done = start  # completed steps: the weights are those of step `done`
-    with signals_handled(optimizer):
-        try:
-            run_eval(start)
-            for step in tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True, disable=not main_rank):
-                with autocast:
-                    metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, train_rows, step, device)
-                scheduler.step()
-                done = step + 1
-                write({"step": done, "lr": scheduler.get_last_lr()[0], **metrics})
-                step_counted()
-                if main_rank and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-                    save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
-                run_eval(done)
-        except Interrupted as e:
-            where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg) if main_rank else out
-            sys.exit(f"grpo.py: {e} after step {done}: checkpoint saved in {where}; continue with --resume")
-        except BaseException:
-            if main_rank and not _signals["weights_ahead"]:
-                where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
-                print(f"grpo.py: step {done + 1} failed; the checkpoint of step {done} is in {where}", file=sys.stderr)
-            elif main_rank:
-                print(f"grpo.py: step {done + 1} failed while the optimizer was changing the weights; "
-                      f"nothing saved (the last checkpoint in {out} stands)", file=sys.stderr)
-            raise
-    if W > 1:
-        torch.distributed.destroy_process_group()
-    return report(cfg, time.time() - t0) if main_rank else None
+# -----------------------------------------------------------------------------
+# Data parallel (torchrun): each rank samples whole groups for its share of the prompts; advantages
+# use the global batch; gradients are summed over the ranks; only rank 0 writes, evaluates, saves.
 
 
-def report(cfg: Config, wall_s: float) -> dict:
-    """Print and save the end-of-run summary from metrics.jsonl: the run's first and last eval (a resumed
-    run included) and the median phase times."""
-    lines = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["eval"] for r in lines if "eval" in r]
-    steps = [r for r in lines if "time/step" in r]
-    phases = {k[5:]: float(np.median([r[k] for r in steps])) for k in (steps[0] if steps else {}) if k.startswith("time/")}
-    before, after = evals[0], evals[-1]
-    summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after, "wall_s": wall_s,
-               "median_seconds_per_step": phases}
-    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
-    if phases:
-        print("median seconds per step:\n" + "\n".join(f"  {k:<8} {v:7.3f}" for k, v in phases.items()))
-    k = f"pass@{cfg.eval_samples}"
-    print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
-          f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
-          f"{k} {before.get(k, math.nan):.3f} -> {after.get(k, math.nan):.3f} | {wall_s:.0f} s")
-    return summary
+def setup_distributed(cfg: Config):
+    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join the process group (NCCL on GPUs, gloo on
+    CPU). Returns (rank, device); a plain `python grpo.py` is rank 0 of 1."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, pick_device(cfg.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the "
+                          f"{world} ranks")
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, device
+
+
+def world_size() -> int:
+    """Number of data-parallel ranks (1 without torchrun)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or mean, or max) plain numbers over the ranks; identity in a single process."""
+    if not torch.distributed.is_initialized():
+        return values
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+    torch.distributed.all_reduce(t, reduce_op)
+    return (t / world_size() if op == "mean" else t).tolist()
+
+
+def on_global_batch(scheme, rewards, *args):
+    """scheme(rewards, *args) computed on the rewards of all ranks, returning this rank's part (as
+    TRL does), so that batch statistics (--scale-rewards batch) are those of the whole batch. Every
+    rank holds the same number of prompts, so the rewards tensors have the same shape; one process:
+    scheme(rewards, *args)."""
+    if not torch.distributed.is_initialized():
+        return scheme(rewards, *args)
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    parts = [torch.empty_like(rewards, device=device) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, rewards.to(device))
+    result = scheme(torch.cat(parts).cpu(), *args)
+    n, rank = len(rewards), torch.distributed.get_rank()
+    if isinstance(result, tuple):
+        return tuple(r[rank * n:(rank + 1) * n] for r in result)
+    return result[rank * n:(rank + 1) * n]
+
+
+def sum_gradients(model):
+    """Sum the gradients over the ranks (DDP does this, overlapped with the backward pass; here it
+    is one all-reduce per parameter after the last micro-batch); a single process: nothing."""
+    if not torch.distributed.is_initialized():
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """A rank's rollout metrics averaged over the ranks (the maximum for *_max keys)."""
+    keys = sorted(metrics)
+    means, maxima = (all_reduce([metrics[k] for k in keys], op) for op in ("mean", "max"))
+    return {k: hi if k.endswith("_max") else m for k, m, hi in zip(keys, means, maxima)}
 
 # -----------------------------------------------------------------------------
-# Eval: greedy accuracy and pass@k on the held-out set.
+# Timing and the command line.
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+class timed:
+    """`with timed(metrics, "time/sample"):` adds the block's wall seconds to metrics[key]."""
 
+    def __init__(self, metrics, key):
+        self.metrics, self.key = metrics, key
 
-@torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
-    training temperature (pass@1 is the mean accuracy of those samples); at most max_rows sampled at once."""
-    torch.manual_seed(seed)
-    n = cfg.eval_samples
-    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: thought + answer
-    greedy, correct = [], []
-    step = max(1, max_rows // n)
-    for i in range(0, len(rows), step):
-        chunk = rows[i:i + step]
-        prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in chunk]
-        answers = [row["answer"] for row in chunk]
-        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy.append(score_batch(tokenizer, s, answers)[0])
-        s = generate(model, tokenizer, prompts, n, limit, temperature=cfg.temperature, top_p=cfg.top_p)
-        correct.append(score_batch(tokenizer, s, [a for a in answers for _ in range(n)])[0])
-    counts = torch.cat(correct).view(len(rows), n).sum(1).long().tolist()
-    return {"greedy": torch.cat(greedy).mean().item(),
-            **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in range(1, n + 1)}}
+    def __enter__(self):
+        self.start = time.perf_counter()
 
-# -----------------------------------------------------------------------------
-# Main
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.metrics[self.key] = self.metrics.get(self.key, 0.0) + time.perf_counter() - self.start
 
 
 def main(argv=None):
-    """Command line entry point: bad flags or data stop with one line naming the flag, file, line and field."""
+    """Command line entry point: bad flags or data stop with one line naming the flag, file, line
+    and field."""
     try:
         cfg = parse_args(argv)
         return train(cfg)
