@@ -110,7 +110,7 @@ class Config:
     system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
     variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
     # sampling
-    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per question (ta)")
+    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per phrasing (ta)")
     prompts_per_step: int = _opt(16, "P: prompts per step")
     max_new_tokens: int = _opt(32, "completion length limit (for ma: the thought's limit)")
     temperature: float = _opt(1.0, "sampling temperature; log-probs use the same")
@@ -237,8 +237,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     every pair of rows of a group token by token, and a running product turns "equal at t" into
     "equal up to and including t"; this takes B * group_size * T bytes.
 
-    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; others
-    1.
+    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
+    other tokens 1.
     """
     B, T = completion_ids.shape
     ids = completion_ids.view(-1, group_size, T)  # (groups, G, T)
@@ -258,15 +258,16 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
     with ρ = exp(logp - old). With one update per batch (μ = 1) old = logp.detach(): ρ is 1 and no
-    token is clipped, but ρ's gradient is logp's, so the loss's value (minus the token-weighted mean
-    advantage) says little while its gradient is the policy gradient. advantages: (B,) broadcast
-    over tokens, or (B, T) per token, the hook for a scheme of your own (a process reward, say);
-    none of the four here needs it. token_weights (B, T) multiply the whole per-token loss (policy
-    and KL) and leave the normaliser alone (λ-GRPO). Aggregation as TRL: grpo = mean over rows of
-    each row's token mean; bnpo and dapo = sum over all tokens / number of tokens (the same within
-    one micro-batch: they differ in how micro-batches are weighted, see micro_batch_weights);
-    dr_grpo = sum / (B * max_completion_length). Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5,
-    bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
+    token is clipped, but ρ's gradient is logp's: the loss's value, -(token-weighted mean
+    advantage), says little, while its gradient is the policy gradient.
+    advantages: (B,) broadcast over tokens, or (B, T) per token, the hook for a scheme of your own
+    (a process reward, say); none of the four here needs it. token_weights (B, T) multiply the whole
+    per-token loss (policy and KL) and leave the normaliser alone (λ-GRPO).
+    Aggregation as TRL: grpo = mean over rows of each row's token mean; bnpo and dapo = sum over all
+    tokens / number of tokens (the same within one micro-batch: they differ in how micro-batches are
+    weighted, see micro_batch_weights); dr_grpo = sum / (B * max_completion_length).
+
+    Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5, bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -304,10 +305,12 @@ def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> l
     sum of weighted losses over micro-batches, and over ranks (gradients are summed over ranks), is
     the loss of the whole batch. dapo's micro loss is a token mean, so it weighs its share of the
     batch's tokens; grpo's and dr_grpo's are row means, so they weigh their share of the rows; TRL's
-    bnpo normalises each micro-batch on its own and averages them, over all ranks: that is the only
-    difference between bnpo and dapo, and why the number of ranks appears (in all_reduce). One rank,
-    micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and bnpo 1/2,
-    1/2."""
+    bnpo normalises each micro-batch on its own and averages them over all micro-batches of all
+    ranks: that is the only difference between bnpo and dapo. (all_reduce sums plain numbers over
+    the ranks, so the shares are of the global batch; in one process it does nothing.)
+
+    One rank, micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and
+    bnpo 1/2, 1/2."""
     all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), len(rows)])
     if loss_type == "dapo":
         return [t / max(all_tokens, 1) for t in tokens]
@@ -364,9 +367,9 @@ def parse_number(text: str):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0):
     """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer equals the
-    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward for
-    exactly one <think>..</think> followed by exactly one <answer>..</answer>. parsed is False when
-    no answer could be read."""
+    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward, if
+    it finished, for exactly one <think>..</think> followed by exactly one <answer>..</answer>.
+    parsed is False when no answer could be read."""
     answer = extract_answer(text)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
@@ -398,7 +401,7 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, prefixes=None):
 class Rows:
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
-    parent: torch.Tensor           # (B,) the row whose completion comes after the prompt, or -1
+    parent: torch.Tensor           # (B,) the row between prompt and this row (an MA thought), or -1
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
@@ -449,7 +452,11 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     return [rows.select(torch.tensor(sorted(b))) for b in batches]
 
 # -----------------------------------------------------------------------------
-# Rollouts: one function per variant samples completions, scores them and fills rows.
+# Rollouts: one function per variant samples completions, scores them and fills rows. Each takes the
+# model, tokenizer, config, this step's data rows and an rng (TA draws its rephrasings with it), and
+# returns (Rows, metrics). From the plumbing: prompt_ids (chat template -> ids), timed (adds a
+# phase's seconds to metrics), on_global_batch (a scheme over the rewards of all ranks; in one
+# process, just the scheme).
 
 
 def sample_metrics(rewards, group_size, parsed, samples) -> dict:
@@ -511,7 +518,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     P = len(batch)
     prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in batch]
-    with timed(metrics, "time/sample"):
+    with timed(metrics, "time/sample"):  # keep=True: every thought also comes back as a Prefix
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, stop_strings=["</think>"], keep=True)
     closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
@@ -731,16 +738,17 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
             finished[rows[ended]] = True
             if stop_strings:
                 pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
+                at_eos = ended.tolist()  # one device sync, not one per row
                 for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
                     texts[row] += piece
                     window = texts[row][-(len(piece) + longest_stop):]  # where a new match can be
-                    if not ended[i] and any(s in window for s in stop_strings):
+                    if not at_eos[i] and any(s in window for s in stop_strings):
                         stopped[row] = ended[i] = True
             if t == max_new_tokens - 1:
                 ended[:] = True
             if not ended.any():
                 continue
-            if keep:
+            if keep:  # the cache holds every token but the one just picked: a Prefix, as defined
                 ended_rows.append(rows[ended])
                 ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended))
             go = ~ended
@@ -831,6 +839,8 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         # the one-token shift: input t is the token before target t, i.e. the context's last token,
         # then the completion shifted right by one; output t predicts target t
         x = torch.cat([p.last[:, None], target[:, :-1]], 1)
+        # x[:, t] is real where target t is, so target_mask masks x too; the cache then holds every
+        # completion token but the last, which becomes the children's `last`: a Prefix again
         m = torch.cat([p.mask, target_mask], 1)
         hidden, cache = run_decoder(model, x, m, cache_of(p.kv))
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
@@ -898,6 +908,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     # kl and the clip fractions are token means of the batch, whatever the loss type
     token_share = micro_batch_weights("dapo", [len(m) for m in micro], tokens)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
+    # dr_grpo's constant normaliser: the longest a completion (thought or answer) may be
     max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     with timed(metrics, "time/logps"), torch.no_grad():
         # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the
@@ -942,9 +953,11 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
     rng = random.Random(cfg.seed * 1_000_003 + step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
-    batch = rng.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-    batch = batch[rank * len(batch) // W:(rank + 1) * len(batch) // W]  # whole groups on one rank
-    rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
+    # every rank takes the same number of whole groups (a data file smaller than P leaves fewer)
+    P = min(cfg.prompts_per_step, len(train_rows) // W * W)
+    batch = rng.sample(train_rows, P)[rank * P // W:(rank + 1) * P // W]
+    rank_rng = random.Random(cfg.seed * 1_000_003 + step * W + rank)  # TA's rephrasings, per rank
+    rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     metrics = reduce_metrics(metrics)
     metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
     metrics["time/step"] = time.perf_counter() - t_step
@@ -1298,7 +1311,7 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "step": step, "config": asdict(cfg)}, tmp / "state.pt")
         os.replace(tmp, final)
-    for old in checkpoints(out):
+    for old in out.glob("checkpoint-*"):  # older checkpoints, and a save that died half-way
         if old != final:
             shutil.rmtree(old)
     return final
@@ -1351,7 +1364,8 @@ def load_state(checkpoint: Path, cfg: Config) -> dict:
                           f"({reason})") from None
     saved, now = Config(**{**asdict(cfg), **state["config"]}), cfg
     def same(a, b):  # equal, or two spellings of one existing path
-        return a == b or (isinstance(a, str) and os.path.exists(a) and os.path.samefile(a, b))
+        paths = isinstance(a, str) and os.path.exists(a) and os.path.exists(b)
+        return a == b or (paths and os.path.samefile(a, b))
     # bnpo normalises per micro-batch, so there the micro-batch size changes the loss
     may_change = RESUMABLE - ({"micro_batch_size"} if cfg.loss_type == "bnpo" else set())
     differ = [f.name for f in fields(Config) if f.name not in may_change
@@ -1498,7 +1512,8 @@ def on_global_batch(scheme, rewards, *args):
 
 
 def sum_gradients(model):
-    """Sum the gradients over the ranks (DDP does this, overlapped with the backward pass; here it
+    """Sum the gradients over the ranks (the micro-batch weights are shares of the global batch, so
+    the sum is the global gradient; DDP would average, overlapped with the backward pass; here it
     is one all-reduce per parameter after the last micro-batch); a single process: nothing."""
     if not torch.distributed.is_initialized():
         return

@@ -720,6 +720,7 @@ def test_a_run_folder_is_protected_and_resumes_check_their_flags(tmp_path):
                            (["--variant", "ma", "--beta", "0.1"], "--variant grpo -> ma, --beta 0.0 -> 0.1"),
                            (["--steps", "3"], "the run is at step 3; --steps 3 must be larger"),
                            (["--steps", "2"], "the run is at step 3; --steps 2 must be larger"),
+                           (["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model " + str(TINY)),
                            (["--model", str(TINY) + "/."], None)]:  # the same folder, written differently
         stop = run(*SMALL, "--out", out, "--resume", *(flags if "--steps" in flags else flags + ["--steps", "4"]))
         if message is None:
