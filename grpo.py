@@ -661,9 +661,14 @@ class Prefix:
     last: torch.Tensor   # (B,)
 
     def select(self, index) -> "Prefix":
-        """Rows `index` of the prefix (repeated indices copy a context to several continuations)."""
-        kv = None if self.kv is None else [(k[index], v[index]) for k, v in self.kv]
-        return Prefix(kv, self.mask[index], self.last[index])
+        """Rows `index` (long) of the prefix; repeated indices copy a context to several
+        continuations. index_select, not k[index]: PyTorch documents the backward of k[index] as
+        nondeterministic on CPU (it sums the copies' gradients in varying order); with it, seeded
+        runs in fresh processes drifted apart in the last bit after a few steps."""
+        kv = None
+        if self.kv is not None:
+            kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
+        return Prefix(kv, self.mask.index_select(0, index), self.last.index_select(0, index))
 
 
 def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
@@ -750,7 +755,8 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
                 continue
             if keep:  # the cache holds every token but the one just picked: a Prefix, as defined
                 ended_rows.append(rows[ended])
-                ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended))
+                ended_index = ended.nonzero()[:, 0]
+                ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended_index))
             go = ~ended
             rows, mask, token = rows[go], mask[go], token[go]
             if not len(rows):

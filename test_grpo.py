@@ -386,6 +386,23 @@ def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, varia
     model.zero_grad()
 
 
+def test_a_copied_context_sums_its_gradients_through_index_select():
+    """Prefix.select copies a context to its continuations with index_select, whose CPU backward sums the
+    copies' gradients in a fixed order (x[index]'s is documented nondeterministic; with it seeded runs drifted
+    apart in the last bit between processes). Worked numbers: rows [0, 0, 1, 0] weighted 1, 2, 4, 8 give row 0
+    the gradient 1 + 2 + 8 = 11 and row 1 the gradient 4."""
+    keys = torch.ones(2, 1, 1, 1, requires_grad=True)
+    values = torch.ones(2, 1, 1, 1, requires_grad=True)
+    prefix = grpo.Prefix([(keys, values)], torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
+    copied = prefix.select(torch.tensor([0, 0, 1, 0]))
+    assert copied.last.tolist() == [5, 5, 6, 5]
+    copied_keys, copied_values = copied.kv[0]
+    assert copied_keys.grad_fn.name() == "IndexSelectBackward0"
+    weights = torch.tensor([1.0, 2.0, 4.0, 8.0]).view(4, 1, 1, 1)
+    ((copied_keys + copied_values) * weights).sum().backward()
+    assert keys.grad.flatten().tolist() == [11.0, 4.0] and values.grad.flatten().tolist() == [11.0, 4.0]
+
+
 def test_flat_logps_are_the_log_softmax_of_logits_over_temperature(tiny):
     """The row-by-row pass against the plainest computation: the full model's logits, log_softmax, gather."""
     model, tok = tiny
@@ -1712,7 +1729,7 @@ def test_bench_compare_ta(request, tmp_path, model, lr):
         "GRPO, G=8": base + ["--num-generations", "8"],
         "TA, anchor q0 (paper v5)": base + ta,
         "TA, anchor rephrasing (code)": base + ta + ["--ta-anchor", "rephrased"]}, tmp_path,
-        ks=(2, 4, 8, 16) if hard else (2, 8), extra=["frac_reward_zero_std"] + ([] if hard else []))
+        ks=(2, 4, 8, 16) if hard else (2, 8), extra=["frac_reward_zero_std"])
 
 
 @pytest.mark.bench
