@@ -333,8 +333,10 @@ MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 
 
 def extract_answer(text: str):
     """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None. Only
-    the text after the first </think> is read, so an answer written inside the thought is never
-    credited."""
+    the text after the first </think> is read (none if a <think> never closes), so an answer
+    written inside the thought is never credited."""
+    if "<think>" in text and "</think>" not in text:
+        return None
     text = text.split("</think>", 1)[-1]
     found = ANSWER_RE.findall(text)
     if found:
@@ -962,7 +964,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     # every rank takes the same number of whole groups (a data file smaller than P leaves fewer)
     P = min(cfg.prompts_per_step, len(train_rows) // W * W)
     batch = rng.sample(train_rows, P)[rank * P // W:(rank + 1) * P // W]
-    rank_rng = random.Random(cfg.seed * 1_000_003 + step * W + rank)  # TA's rephrasings, per rank
+    rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     metrics = reduce_metrics(metrics)
     metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
@@ -990,7 +992,7 @@ def train(cfg: Config) -> dict:
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     out = Path(cfg.out)
-    log = open_metrics(out, start if checkpoint else None) if main_rank else None
+    log = open_metrics(out, start if checkpoint else None, cfg) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
 
@@ -999,8 +1001,8 @@ def train(cfg: Config) -> dict:
             log.write(json.dumps(finite(record), allow_nan=False) + "\n")
             log.flush()
 
-    def run_eval(step):  # at step 0, every --eval-every steps and at the end; rank 0 only
-        if step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+    def run_eval(step):  # rank 0 evaluates; the others wait
+        if eval_due(cfg, step):
             result = None
             if main_rank:
                 with autocast:
@@ -1016,12 +1018,13 @@ def train(cfg: Config) -> dict:
             run_eval(start)
             for step in tqdm(range(start, cfg.steps), desc=cfg.variant, dynamic_ncols=True,
                              disable=not main_rank):
+                lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
                 with autocast:
                     metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, train_rows,
                                          step, device)
                 scheduler.step()
                 done = step + 1
-                write({"step": done, "lr": scheduler.get_last_lr()[0], **metrics})
+                write({"step": done, "lr": lr, **metrics})
                 step_counted()
                 due = done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)
                 if main_rank and due:
@@ -1259,8 +1262,10 @@ def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; left padding, a pad token, fp32
     weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-        raise ConfigError(f"--model {path}: no such folder")
+    if path.startswith(("/", "./", "../", "~")):
+        if not Path(path).expanduser().is_dir():
+            raise ConfigError(f"--model {path}: no such folder")
+        path = str(Path(path).expanduser())  # `--model=~/x` reaches us unexpanded
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -1268,6 +1273,13 @@ def load_model(path: str, device):
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"--model {path}: cannot load a model and tokenizer there "
                           f"({reason})") from None
+    if not (hasattr(model, "model") and hasattr(model, "lm_head")
+            and hasattr(model.config, "max_position_embeddings")):
+        raise ConfigError(f"--model {path}: {type(model).__name__} is not supported (the sampler "
+                          f"needs a decoder at .model and an .lm_head, as Qwen2/3 and Llama have)")
+    if not tokenizer.chat_template:
+        raise ConfigError(f"--model {path}: the tokenizer has no chat template (a base model?); "
+                          f"prompts are chat-templated: use an instruct model or add a template")
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -1449,15 +1461,29 @@ def finite(record: dict) -> dict:
     return {k: clean(v) for k, v in record.items()}
 
 
-def open_metrics(out: Path, resume_from: int | None):
+def eval_due(cfg: Config, step: int) -> bool:
+    """Evals run at step 0, every --eval-every steps and at the end."""
+    return step == 0 or step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+
+
+def open_metrics(out: Path, resume_from: int | None, cfg: Config):
     """metrics.jsonl for appending. A resumed run first drops what came after its checkpoint (steps
-    it will redo, and the eval at the checkpoint's step, which it redoes), so the file reads as one
-    run."""
+    it will redo) and the eval at the checkpoint's step if it redoes it, so the file reads as one
+    run. A last line cut short (the process killed while writing it) came after the checkpoint and
+    goes too."""
     path = out / "metrics.jsonl"
     if resume_from is not None and path.exists():
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [r for r in lines
-                if r["step"] < resume_from or (r["step"] == resume_from and "eval" not in r)]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines):
+                    raise DataError(f"{path}:{number}: not a JSON line") from None
+        redone = eval_due(cfg, resume_from)
+        kept = [r for r in records if r["step"] < resume_from
+                or (r["step"] == resume_from and not ("eval" in r and redone))]
         (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(out / "metrics.jsonl.tmp", path)
     return open(path, "a")

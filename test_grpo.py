@@ -149,6 +149,7 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
     ("<think><answer>85</answer></think>", 0.0, False),              # an answer inside the thought is not one
     ("<think><answer>84</answer></think><answer>85</answer>", 1.0, True),
     ("<think>x</think><", 0.0, False),
+    ("<think>x <answer>85</answer>", 0.0, False),                    # a thought that never closes holds no answer
 ])
 def test_score(text, reward, parsed):
     assert grpo.score(text, "85", finished=True) == (reward, parsed)
@@ -788,6 +789,76 @@ def test_bad_files_stop_with_one_line(case, tmp_path):
         expected = f"--out {out}: is a file, not a folder" if case == "out is a file" else f"--out {out}: cannot write"
     stop = run("--data", data, "--model", model, "--out", out, "--steps", "1")
     assert stop.startswith("grpo.py: error: ") and expected in stop and "\n" not in stop, stop
+
+
+def unusable_model(tmp_path, case):
+    """The tiny model saved without a chat template, or a GPT-2 (no .model decoder) with its tokenizer."""
+    import shutil
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    folder = tmp_path / case.replace(" ", "-")
+    shutil.copytree(TINY, folder)
+    if case == "no chat template":
+        (folder / "chat_template.jinja").unlink()
+    else:
+        vocab_size = len(AutoTokenizer.from_pretrained(TINY))
+        GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=1, n_head=2)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("no chat template", "the tokenizer has no chat template (a base model?)"),
+    ("gpt2", "GPT2LMHeadModel is not supported (the sampler needs a decoder at .model and an .lm_head")])
+def test_an_unusable_model_stops_with_one_line_before_any_checkpoint(case, expected, tmp_path):
+    model, out = unusable_model(tmp_path, case), tmp_path / "out"
+    stop = run("--model", model, "--out", str(out), "--steps", "1")
+    assert stop == f"grpo.py: error: --model {model}: " + stop.split(": ", 3)[3] and expected in stop, stop
+    assert "\n" not in stop and not list(out.glob("checkpoint-*"))
+
+
+def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(TINY)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, tokenizer = grpo.load_model("~/models/tiny", torch.device("cpu"))
+    assert tokenizer.padding_side == "left" and model.config.vocab_size == len(tokenizer)
+
+
+def test_lr_logged_is_the_one_the_step_used(tmp_path):
+    """Warmup of 3 steps: the update of step s uses lr * s / 4 (s = 1, 2, ...)."""
+    out = tmp_path / "run"
+    grpo.main(SMALL + ["--out", str(out), "--steps", "2", "--warmup-steps", "3", "--eval-every", "0"])
+    lrs = [json.loads(l)["lr"] for l in (out / "metrics.jsonl").read_text().splitlines() if '"lr"' in l]
+    assert lrs == [pytest.approx(1e-3 / 4), pytest.approx(1e-3 / 2)]
+
+
+def test_resume_keeps_an_eval_it_will_not_redo_and_drops_a_cut_last_line(tmp_path):
+    """A 2-step run evaluates at 0 and 2 (its end); extended to 3 steps with --eval-every 0 the eval at 2 is
+    no longer due, so it stays. A last line cut short by a kill is dropped; a bad line before it is an error."""
+    out = tmp_path / "run"
+    flags = SMALL + ["--out", str(out), "--eval-every", "0"]
+    grpo.main(flags + ["--steps", "2"])
+    path = out / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 3, "lr": 0.00')
+    grpo.main(flags + ["--steps", "3", "--resume"])
+    lines = [json.loads(l) for l in path.read_text().splitlines()]
+    assert [l["step"] for l in lines if "eval" in l] == [0, 2, 3] and [l["step"] for l in lines if "lr" in l] == [1, 2, 3]
+    path.write_text('{"step": 0, "eval"\n' + path.read_text())
+    stop = run(*flags, "--steps", "4", "--resume")
+    assert stop == f"grpo.py: error: {path}:1: not a JSON line", stop
+
+
+def test_ta_draws_rephrasings_from_a_stream_of_their_own(tmp_path, monkeypatch):
+    """The rng handed to the rollout (TA's rephrasing draws) is not the data stream that drew the step's prompts."""
+    seen = []
+    rollout = grpo.ROLLOUTS["ta"]
+
+    def spy(model, tokenizer, cfg, batch, rng):
+        seen.append(rng.getstate())
+        return rollout(model, tokenizer, cfg, batch, rng)
+    monkeypatch.setitem(grpo.ROLLOUTS, "ta", spy)
+    grpo.main(SMALL + ["--out", str(tmp_path / "run"), "--steps", "2", "--variant", "ta", "--eval-every", "0"])
+    data_streams = [random.Random(0 * 1_000_003 + step).getstate() for step in range(2)]
+    assert len(seen) == 2 and seen[0] != seen[1] and not set(map(str, seen)) & set(map(str, data_streams))
 
 
 HOSTILE = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "{", "}", "\\frac{", "/", "-", "+", ".", ",",
