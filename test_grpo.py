@@ -509,8 +509,9 @@ def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
     (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "mps"], "is not available on this machine"),
 ])
-def test_bad_flags_stop_with_one_line(flags, message):
-    stop = run(*flags)
+def test_bad_flags_stop_with_one_line(flags, message, tmp_path):
+    out = [] if "--out" in flags else ["--out", str(tmp_path / "run")]  # not ./out: a user's run may be there
+    stop = run(*flags, *out)
     assert message in stop and "\n" not in stop
 
 
