@@ -1473,13 +1473,16 @@ def open_metrics(out: Path, resume_from: int | None, cfg: Config):
     goes too."""
     path = out / "metrics.jsonl"
     if resume_from is not None and path.exists():
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        lines = path.read_text().splitlines()
+        last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
         records = []
         for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                if number < len(lines):
+                if number < last:
                     raise DataError(f"{path}:{number}: not a JSON line") from None
         redone = eval_due(cfg, resume_from)
         kept = [r for r in records if r["step"] < resume_from

@@ -843,9 +843,9 @@ def test_resume_keeps_an_eval_it_will_not_redo_and_drops_a_cut_last_line(tmp_pat
     grpo.main(flags + ["--steps", "3", "--resume"])
     lines = [json.loads(l) for l in path.read_text().splitlines()]
     assert [l["step"] for l in lines if "eval" in l] == [0, 2, 3] and [l["step"] for l in lines if "lr" in l] == [1, 2, 3]
-    path.write_text('{"step": 0, "eval"\n' + path.read_text())
+    path.write_text('\n{"step": 0, "eval"\n' + path.read_text())
     stop = run(*flags, "--steps", "4", "--resume")
-    assert stop == f"grpo.py: error: {path}:1: not a JSON line", stop
+    assert stop == f"grpo.py: error: {path}:2: not a JSON line", stop
 
 
 def test_ta_draws_rephrasings_from_a_stream_of_their_own(tmp_path, monkeypatch):
