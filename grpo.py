@@ -82,6 +82,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -943,6 +944,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
                     totals[key] = totals.get(key, 0.0) + value * share / cfg.num_iterations
             sum_gradients(model)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if not math.isfinite(norm.item()):  # a NaN step would poison the weights for good
+                raise TrainingError(f"the gradient norm is {norm.item()}, so the update was not "
+                                    f"applied; lower --lr or --max-grad-norm")
             grad_norms.append(norm.item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -992,6 +996,8 @@ def train(cfg: Config) -> dict:
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     out = Path(cfg.out)
+    if main_rank and checkpoint is None:
+        remove_old_run(out)
     log = open_metrics(out, start if checkpoint else None, cfg) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
@@ -1127,6 +1133,10 @@ class DataError(ValueError):
     pass
 
 
+class TrainingError(RuntimeError):
+    """A step that cannot be applied (non-finite gradients): one line, not a traceback."""
+
+
 def parse_args(argv=None) -> Config:
     """Build argparse from the Config fields (--field-name), then check the values."""
     parser = argparse.ArgumentParser(description="GRPO and variants in one file.")
@@ -1178,6 +1188,11 @@ class Row(dict):
     where = ""
 
 
+def not_json(constant: str):
+    """json.loads accepts NaN and Infinity, which are not JSON: refuse them."""
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 def load_jsonl(path) -> list[Row]:
     """Read and check a data file; any bad line stops with 'file:line: field ...'."""
     path = Path(path)
@@ -1193,22 +1208,34 @@ def load_jsonl(path) -> list[Row]:
             raise DataError(f"{where}: not UTF-8 ({bad})") from None
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
+        try:  # numbers stay exact (Decimal); NaN and Infinity are not JSON
+            row = json.loads(line, parse_float=Decimal, parse_constant=not_json)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # 5,000-digit integers, deep nesting, NaN
+            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise DataError(f"{where}: not valid JSON ({reason})") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object with 'question' and 'answer'")
         for key in ("question", "answer"):
             value = row.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
-                value = row[key] = str(value)
+            numeric = isinstance(value, (int, Decimal)) and not isinstance(value, bool)
+            if numeric and key == "answer":
+                value = row[key] = format(value, "f") if isinstance(value, Decimal) else str(value)
+                if parse_number(value) is None:  # 1e400 would be 401 digits: never matched
+                    raise DataError(f"{where}: field 'answer' is a number too long to score")
             if not isinstance(value, str) or not value.strip():
                 raise DataError(f"{where}: field '{key}' is missing or empty")
         rephrasings = row.setdefault("rephrasings", [])
         texts = isinstance(rephrasings, list) and all(isinstance(r, str) for r in rephrasings)
         if not texts or not all(r.strip() for r in rephrasings):
             raise DataError(f"{where}: field 'rephrasings' must be a list of non-empty strings")
+        for key in ("question", "answer", "rephrasings"):
+            for text in rephrasings if key == "rephrasings" else [row[key]]:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate ("\ud800") has no UTF-8 form
+                    raise DataError(f"{where}: field '{key}' is not valid text") from None
         row = Row(row)
         row.where = where
         rows.append(row)
@@ -1346,10 +1373,7 @@ def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file, not a folder")
-    found = []
-    if out.is_dir():
-        found = sorted(p.name for p in out.glob("*") if p.name.startswith("checkpoint-")
-                       or p.name in ("metrics.jsonl", "summary.json", "state.pt"))
+    found = run_files(out)
     if cfg.resume:
         if not checkpoints(out):
             raise ConfigError(f"--resume: no checkpoint in {out} (no {out}/checkpoint-<step> "
@@ -1364,9 +1388,22 @@ def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
         (out / ".write-test").unlink()
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    for name in found if main_rank else []:
-        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
     return None
+
+
+def run_files(out: Path) -> list[str]:
+    """The names in `out` that belong to a run: checkpoints, metrics, summary."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.glob("*") if p.name.startswith("checkpoint-")
+                  or p.name in ("metrics.jsonl", "summary.json", "state.pt"))
+
+
+def remove_old_run(out: Path):
+    """--overwrite: called once the new run's model and data have passed their checks, so a run
+    that stops on a bad flag leaves the old one in place."""
+    for name in run_files(out):
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
 
 
 def load_state(checkpoint: Path, cfg: Config) -> dict:
@@ -1480,10 +1517,14 @@ def open_metrics(out: Path, resume_from: int | None, cfg: Config):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 if number < last:
                     raise DataError(f"{path}:{number}: not a JSON line") from None
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise DataError(f"{path}:{number}: a record without a 'step'")
+            records.append(record)
         redone = eval_due(cfg, resume_from)
         kept = [r for r in records if r["step"] < resume_from
                 or (r["step"] == resume_from and not ("eval" in r and redone))]
@@ -1590,7 +1631,7 @@ def main(argv=None):
     try:
         cfg = parse_args(argv)
         return train(cfg)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, TrainingError) as e:
         sys.exit(f"grpo.py: error: {e}")
 
 

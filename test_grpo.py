@@ -843,9 +843,66 @@ def test_resume_keeps_an_eval_it_will_not_redo_and_drops_a_cut_last_line(tmp_pat
     grpo.main(flags + ["--steps", "3", "--resume"])
     lines = [json.loads(l) for l in path.read_text().splitlines()]
     assert [l["step"] for l in lines if "eval" in l] == [0, 2, 3] and [l["step"] for l in lines if "lr" in l] == [1, 2, 3]
-    path.write_text('\n{"step": 0, "eval"\n' + path.read_text())
+    good = path.read_text()
+    path.write_text('\n{"step": 0, "eval"\n' + good)
     stop = run(*flags, "--steps", "4", "--resume")
     assert stop == f"grpo.py: error: {path}:2: not a JSON line", stop
+    path.write_text("{}\n" + good)
+    stop = run(*flags, "--steps", "4", "--resume")
+    assert stop == f"grpo.py: error: {path}:1: a record without a 'step'", stop
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_passes_its_checks(tmp_path):
+    out = tmp_path / "run"
+    grpo.main(SMALL + ["--out", str(out), "--steps", "2"])
+    before = sorted(p.name for p in out.iterdir())
+    stop = run(*SMALL, "--out", str(out), "--steps", "2", "--overwrite", "--max-new-tokens", "250")
+    assert "exceeds the model's 256 positions" in stop and sorted(p.name for p in out.iterdir()) == before
+    assert run(*SMALL, "--out", str(out), "--steps", "1", "--overwrite") is None
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_a_non_finite_gradient_is_never_applied(tmp_path, monkeypatch):
+    """The second update's gradient norm is NaN: the run stops with one line, and the checkpoint it leaves
+    is step 1's, with finite weights."""
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def nan_on_second_call(*args, **kwargs):
+        calls.append(1)
+        norm = clip(*args, **kwargs)
+        return torch.tensor(float("nan")) if len(calls) == 2 else norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_on_second_call)
+    out = tmp_path / "run"
+    stop = run(*SMALL, "--out", str(out), "--steps", "3", "--num-iterations", "1")
+    assert stop == "grpo.py: error: the gradient norm is nan, so the update was not applied; lower --lr or " \
+                   "--max-grad-norm", stop
+    weights = load_file(out / "checkpoint-1" / "model.safetensors")
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("line,expected", [
+    ('{"question": "1+1=", "answer": ' + "9" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+    ("[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
+    ('{"question": "1+1=", "answer": NaN}', "not valid JSON (NaN is not a JSON value)"),
+    ('{"question": "1+1=", "answer": 1e400}', "field 'answer' is a number too long to score"),
+    ('{"question": "a\\ud800b", "answer": "2"}', "field 'question' is not valid text"),
+    ('{"question": "1+1=", "answer": "2", "rephrasings": ["\\udfff"]}', "field 'rephrasings' is not valid text"),
+])
+def test_hostile_data_lines_stop_with_file_and_line(line, expected, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "1+1=", "answer": 2}\n' + line + "\n")
+    with pytest.raises(grpo.DataError) as e:
+        grpo.load_jsonl(path)
+    assert str(e.value).startswith(f"{path}:2: ") and expected in str(e.value), str(e.value)
+
+
+def test_numeric_answers_are_read_exactly(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "a", "answer": 1e20}\n{"question": "b", "answer": 0.50}\n'
+                    '{"question": "c", "answer": -7}\n')
+    assert [r["answer"] for r in grpo.load_jsonl(path)] == ["100000000000000000000", "0.50", "-7"]
+    assert grpo.score("<answer>100000000000000000000</answer>", "100000000000000000000", True) == (1.0, True)
 
 
 def test_ta_draws_rephrasings_from_a_stream_of_their_own(tmp_path, monkeypatch):
