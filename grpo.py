@@ -990,7 +990,7 @@ def train(cfg: Config) -> dict:
         raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
     rank, device = setup_distributed(cfg)
     W, main_rank = world_size(), rank == 0
-    checkpoint = prepare_out(cfg, main_rank)
+    checkpoint = prepare_out(cfg)
     model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device, checkpoint)
     max_positions = model.config.max_position_embeddings
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
@@ -1367,7 +1367,7 @@ RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eva
              "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing"}
 
 
-def prepare_out(cfg: Config, main_rank: bool) -> Path | None:
+def prepare_out(cfg: Config) -> Path | None:
     """Check the run folder: a folder that already holds a run is only continued (--resume) or
     replaced (--overwrite), never silently reused. Returns the checkpoint to resume from, if any."""
     out = Path(cfg.out)
@@ -1403,7 +1403,10 @@ def remove_old_run(out: Path):
     """--overwrite: called once the new run's model and data have passed their checks, so a run
     that stops on a bad flag leaves the old one in place."""
     for name in run_files(out):
-        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+        else:
+            (out / name).unlink()
 
 
 def load_state(checkpoint: Path, cfg: Config) -> dict:
