@@ -132,6 +132,9 @@ class Config:
     epsilon: float = _opt(0.2, "lower clip range of the ratio")
     epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
+    reward: str = _opt("tags", "how the answer is read: the last <answer>..</answer> (else "
+                       "\\boxed), or the last number (for models that do not write the tags)",
+                       ["tags", "last-number"])
     format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
     lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
     warmup_steps: int = _opt(10, "linear warmup, then constant")
@@ -323,25 +326,31 @@ def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> l
 # 2. Samples into rows: the reward, the rows every variant hands to the loss, one rollout each.
 # =============================================================================
 
-# The reward: exact match of the final answer. Model output is only ever parsed as text.
+# The reward: exact match of the final answer, read the way graders read it. Model output is only
+# ever parsed as text.
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER_RE = re.compile(r"-?\d+(\.\d+)?")
-FRACTION_RE = re.compile(r"(-?\d+)/(\d+)|\\d?frac\{(-?\d+)\}\{(\d+)\}")
+# a run of digits joined by . , or / (linear: no backtracking on long punctuation); [0-9], not \d,
+# which also matches other scripts' digits
+RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
+# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
+DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
+NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
+FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
 MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 
-def extract_answer(text: str):
-    """The last <answer>...</answer>, else the last \\boxed{...} (braces matched), else None. Only
-    the text after the first </think> is read (none if a <think> never closes), so an answer
-    written inside the thought is never credited."""
+def after_thought(text: str):
+    """The text after the first </think> (all of it without one; None if a <think> never closes),
+    so that an answer written inside the thought is never credited."""
     if "<think>" in text and "</think>" not in text:
         return None
-    text = text.split("</think>", 1)[-1]
-    found = ANSWER_RE.findall(text)
-    if found:
-        return found[-1]
+    return text.split("</think>", 1)[-1]
+
+
+def boxed(text: str):
+    """What the last \\boxed{...} holds (braces matched), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -353,27 +362,50 @@ def extract_answer(text: str):
     return None
 
 
-def parse_number(text: str):
-    """'1,234' '+5' '85.0' '-3/4' '\\frac{1}{2}' -> Fraction; anything else -> None."""
-    s = re.sub(r"[\s,$]", "", text)
-    s = s[1:] if s.startswith("+") else s
-    if len(s) > MAX_NUMBER_CHARS:
+def number_runs(text: str) -> list[str]:
+    """The number-like runs of a text, after the Unicode minus and \\frac{a}{b} are made plain."""
+    text = FRAC_RE.sub(r"\1/\2", text.replace("\u2212", "-"))
+    return RUN_RE.findall(text)
+
+
+def extract_answer(text: str, reward: str = "tags"):
+    """The answer a completion gives, after its thought (see after_thought), or None.
+    tags: the last <answer>...</answer>, else the last \\boxed{...}; last-number: the last number
+    (as GSM8K graders read it, for models that do not write the tags)."""
+    text = after_thought(text)
+    if text is None:
         return None
-    if NUMBER_RE.fullmatch(s):
-        return Fraction(s)
-    m = FRACTION_RE.fullmatch(s)
-    if m:
-        num, den = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        return Fraction(int(num), int(den)) if int(den) else None
-    return None
+    if reward == "last-number":
+        runs = number_runs(text)
+        return runs[-1] if runs else None
+    found = ANSWER_RE.findall(text)
+    if found:
+        return found[-1]
+    return boxed(text)
 
 
-def score(text: str, reference: str, finished: bool, format_reward: float = 0.0):
-    """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer equals the
-    reference (as numbers when both parse, else as whitespace-free strings); plus format_reward, if
-    it finished, for exactly one <think>..</think> followed by exactly one <answer>..</answer>.
-    parsed is False when no answer could be read."""
-    answer = extract_answer(text)
+def parse_number(text: str):
+    """The one number an answer holds -> Fraction, else None. Read as graders do: inside a
+    \\boxed{...} if there is one; words, units, $, \\text{}, ** and a final full stop around the
+    number ignored ('The answer is 1,234.', '18 eggs', '\\$12.50'); '.5', '-3/4', '-\\frac{1}{2}',
+    the Unicode minus. Commas only as thousands separators: '3,5' and '1, 2' are not numbers."""
+    inner = boxed(text)
+    runs = number_runs(text if inner is None else inner)
+    if len(runs) != 1 or len(runs[0]) > MAX_NUMBER_CHARS or not NUMBER_RE.fullmatch(runs[0]):
+        return None
+    numerator, _, denominator = runs[0].replace(",", "").partition("/")
+    if denominator and Fraction(denominator) == 0:
+        return None
+    return Fraction(numerator) / Fraction(denominator or 1)
+
+
+def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
+          reward: str = "tags"):
+    """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer (see
+    extract_answer) equals the reference (as numbers when the reference is one, else as
+    whitespace-free strings); plus format_reward, if it finished, for exactly one <think>..</think>
+    followed by exactly one <answer>..</answer>. parsed is False when no answer could be read."""
+    answer = extract_answer(text, reward)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
     parsed = answer is not None and (ref_num is None or answer_num is not None)
@@ -385,15 +417,17 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0)
     return float(correct) + format_reward * shaped, parsed
 
 
-def score_batch(tokenizer, samples, answers, format_reward=0.0, prefixes=None):
-    """Rewards (B,) and parsed flags (B,) of sampled completions; prefixes (a thought) are
-    prepended."""
+def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", prefixes=None):
+    """Rewards (B,), parsed flags (B,) and tagged flags (B,: an <answer>...</answer> after the
+    thought, in either reward mode) of sampled completions; prefixes (a thought) are prepended."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if prefixes is not None:
         texts = [p + t for p, t in zip(prefixes, texts)]
     finished = samples.finished.tolist()
-    scored = [score(t, a, f, format_reward) for t, a, f in zip(texts, answers, finished)]
-    return torch.tensor([r for r, _ in scored]), torch.tensor([p for _, p in scored])
+    scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
+    tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
+    rewards = torch.tensor([r for r, _ in scored])
+    return rewards, torch.tensor([p for _, p in scored]), torch.tensor(tagged)
 
 # -----------------------------------------------------------------------------
 # Rows point at shared contexts (a prompt, or a prompt and a GRPO-MA thought), so that each context
@@ -462,8 +496,9 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
 # process, just the scheme).
 
 
-def sample_metrics(rewards, group_size, parsed, samples) -> dict:
-    """Reward, zero-variance, length, truncation and parse metrics of one step's samples."""
+def sample_metrics(rewards, group_size, parsed, tagged, samples) -> dict:
+    """Reward, zero-variance, length, truncation, parse and format (share that wrote the answer
+    tags) metrics of one step's samples."""
     groups = rewards.reshape(-1, group_size)
     lengths = samples.completion_mask.sum(1).float()
     return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
@@ -471,7 +506,8 @@ def sample_metrics(rewards, group_size, parsed, samples) -> dict:
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
             "truncated": 1 - samples.finished.float().mean().item(),
-            "unparseable": 1 - parsed.float().mean().item(), "tokens": lengths.sum().item()}
+            "unparseable": 1 - parsed.float().mean().item(), "format": tagged.float().mean().item(),
+            "tokens": lengths.sum().item()}
 
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -485,11 +521,11 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     with timed(metrics, "time/score"):
         answers = [row["answer"] for row in batch for _ in range(G)]
-        rewards, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
+        rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
         advantages = on_global_batch(group_advantages, rewards, G, cfg.scale_rewards)
         weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much completions share
     on = mask.bool()
-    metrics.update(sample_metrics(rewards, G, parsed, s),
+    metrics.update(sample_metrics(rewards, G, parsed, tagged, s),
                    lambda_mean=(1 / weights[on]).mean().item(),           # mean |λ| over tokens
                    lambda_shared=(weights[on] < 1).float().mean().item())  # share with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
@@ -536,15 +572,18 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                          cfg.top_p)
         with timed(metrics, "time/score"):
             answers = [batch[k // K]["answer"] for k in answer_rows.tolist()]
-            r, parsed = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                    prefixes=[thoughts[k] for k in answer_rows.tolist()])
+            prefixes = [thoughts[k] for k in answer_rows.tolist()]
+            r, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
+                                            cfg.reward, prefixes)
             rewards[keep] = r.view(-1, M)
         answer_metrics = dict(answer_reward=r.mean().item(),
                               answer_length=ans.completion_mask.sum(1).float().mean().item(),
                               truncated=1 - ans.finished.float().mean().item(),
-                              unparseable=1 - parsed.float().mean().item())
+                              unparseable=1 - parsed.float().mean().item(),
+                              format=tagged.float().mean().item())
     else:  # no thought closed: nothing was answered
-        answer_metrics = dict(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0)
+        answer_metrics = dict(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0,
+                              format=0.0)
     grid = rewards.view(P, K, M)
     thought_adv, answer_adv = on_global_batch(ma_advantages, grid, cfg.scale_rewards)
     # rows: the P*K thoughts, then the answers of the closed ones, right-padded to one width
@@ -594,7 +633,7 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
                      temperature=cfg.temperature, top_p=cfg.top_p)
     with timed(metrics, "time/score"):
         answers = [batch[p]["answer"] for p, _, _ in slots]
-        r, parsed = score_batch(tokenizer, s, answers, cfg.format_reward)
+        r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
         rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN: no such phrasing
         rewards[p_idx, j_idx, g_idx] = r  # each row's reward into its question's grid
         advantages = on_global_batch(ta_advantages, rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
@@ -605,7 +644,7 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
         prompts, prompt_index = [phrasings[i] for i in first], p_idx
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
     pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
-    metrics.update(sample_metrics(r, G, parsed, s))
+    metrics.update(sample_metrics(r, G, parsed, tagged, s))
     # zero variance as plain GRPO would have met it (q0's own G responses), and after pooling
     metrics["frac_reward_zero_std"] = (originals.amax(1) == originals.amin(1)).float().mean().item()
     pooled_constant = [(g.max() == g.min()).item() for g in pooled]
@@ -1102,19 +1141,23 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int,
     torch.manual_seed(seed)
     n = cfg.eval_samples
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: both
-    greedy, correct = [], []
+    greedy, correct, tagged = [], [], []
     step = max(1, max_rows // n)
     for i in range(0, len(rows), step):
         chunk = rows[i:i + step]
         prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in chunk]
         answers = [row["answer"] for row in chunk]
         s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy.append(score_batch(tokenizer, s, answers)[0])
+        greedy.append(score_batch(tokenizer, s, answers, reward=cfg.reward)[0])
         s = generate(model, tokenizer, prompts, n, limit, temperature=cfg.temperature,
                      top_p=cfg.top_p)
-        correct.append(score_batch(tokenizer, s, [a for a in answers for _ in range(n)])[0])
+        rewards, _, tags = score_batch(tokenizer, s, [a for a in answers for _ in range(n)],
+                                       reward=cfg.reward)
+        correct.append(rewards)
+        tagged.append(tags)
     counts = torch.cat(correct).view(len(rows), n).sum(1).long().tolist()
-    result = {"greedy": torch.cat(greedy).mean().item()}
+    result = {"greedy": torch.cat(greedy).mean().item(),
+              "format": torch.cat(tagged).float().mean().item()}  # share of samples with the tags
     for k in range(1, n + 1):
         result[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
     return result

