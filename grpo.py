@@ -1365,8 +1365,11 @@ def load_run(cfg: Config, device, checkpoint: Path | None):
     ref_model = None
     if cfg.beta > 0:  # the frozen starting policy
         ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if cfg.gradient_checkpointing:  # renamed in transformers 5.2x; the old name warns there
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
