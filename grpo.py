@@ -50,6 +50,18 @@ makes for one prompt (or question) p:
 A variant is a function that samples and fills rows; update() does not know which variant made
 them.
 
+The objectives (to maximise; the loss is -J). With ρ_t = π(o_t | c, o_<t) / π_old(...), the
+clipped term f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t and |o| tokens in o:
+
+    grpo    J = 1/(P G) Σ_i 1/|o_i| Σ_t f(ρ_it, A_i)          (--loss-type grpo, DeepSeekMath's)
+            --loss-type dapo (the default): Σ_i Σ_t f / Σ_i |o_i|, one token mean over the batch
+    lambda  the same with each f(ρ_it, A_i) multiplied by 1/|λ(i,t)|
+    ma      J = J_tok(thoughts th_k, V-advantages) + J_tok(answers a_kj, answer advantages), each
+            part aggregated on its own (--ma-weighting parts), so the thoughts keep half of the
+            objective for every M; --ma-weighting tokens pools both in one aggregation
+    ta      J as grpo over the (N+1) G responses of a question, with ρ and ∇ log π taken on q0:
+            π(o | q0) whichever phrasing o answered
+
 What is simplified versus the papers (honestly):
 - Sampling is a short KV-cache loop of our own over the model's forward (each distinct prompt
   prefilled once, its cache copied to its G continuations, finished rows dropped), not vLLM: no
@@ -61,7 +73,8 @@ What is simplified versus the papers (honestly):
 - No LoRA; the reference model, when beta > 0, is a full frozen copy.
 - GRPO-MA: thoughts that never close with </think> are not continued: value 0, answers missing
   (see rollout_ma). The paper's weighting between thought and answer tokens is not published;
-  here every thought and answer token goes through the same loss aggregation.
+  the default (parts) follows the one written reading, (1/K) Σ_k J(th_k) + (1/KM) Σ_kj J(a_kj)
+  (exactly so under --loss-type grpo; under dapo each part is a token mean).
 - TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py
   rephrase` makes them with a local model) instead of GPT-4-Turbo.
 - λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
@@ -70,6 +83,7 @@ What is simplified versus the papers (honestly):
 
 import argparse
 import contextlib
+import datetime
 import inspect
 import json
 import math
@@ -119,7 +133,10 @@ class Config:
     # GRPO-MA
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
-    max_answer_tokens: int = _opt(12, "answer length limit (ma)")
+    max_answer_tokens: int = _opt(24, "answer length limit (ma)")
+    ma_weighting: str = _opt("parts", "(ma) thoughts and answers aggregated each on its own, then "
+                             "summed (parts), or pooled in one aggregation (tokens)",
+                             ["parts", "tokens"])
     # TA-GRPO
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original",
@@ -304,23 +321,48 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     return total, metrics
 
 
-def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int]) -> list[float]:
+def micro_batch_weights(loss_type: str, rows: list[int], tokens: list[int],
+                        nominal_rows: int) -> list[float]:
     """The weight of each micro-batch's loss (rows[j] rows, tokens[j] completion tokens) so that the
     sum of weighted losses over micro-batches, and over ranks (gradients are summed over ranks), is
     the loss of the whole batch. dapo's micro loss is a token mean, so it weighs its share of the
-    batch's tokens; grpo's and dr_grpo's are row means, so they weigh their share of the rows; TRL's
-    bnpo normalises each micro-batch on its own and averages them over all micro-batches of all
-    ranks: that is the only difference between bnpo and dapo. (all_reduce sums plain numbers over
-    the ranks, so the shares are of the global batch; in one process it does nothing.)
+    batch's tokens; grpo's is a row mean, so it weighs its share of the rows; dr_grpo's is
+    sum / (rows * max length), so it weighs its rows over the batch's *nominal* rows (P*G, however
+    many were made): the normaliser stays the constant nominal_rows * max length; TRL's bnpo
+    normalises each micro-batch on its own and averages them over all (non-empty) micro-batches of
+    all ranks: that is the only difference between bnpo and dapo. (all_reduce sums plain numbers
+    over the ranks, so the shares are of the global batch; in one process it does nothing.)
 
-    One rank, micro-batches of 2 rows each with 3 and 5 tokens: dapo 3/8, 5/8; grpo, dr_grpo and
-    bnpo 1/2, 1/2."""
-    all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), len(rows)])
+    One rank, micro-batches of 2 rows each with 3 and 5 tokens, 8 nominal rows: dapo 3/8, 5/8;
+    grpo and bnpo 1/2, 1/2; dr_grpo 1/4, 1/4."""
+    non_empty = sum(1 for r in rows if r)
+    all_rows, all_tokens, all_micro = all_reduce([sum(rows), sum(tokens), non_empty])
     if loss_type == "dapo":
         return [t / max(all_tokens, 1) for t in tokens]
-    if loss_type in ("grpo", "dr_grpo"):
-        return [r / all_rows for r in rows]
-    return [1 / all_micro] * len(rows)
+    if loss_type == "grpo":
+        return [r / max(all_rows, 1) for r in rows]
+    if loss_type == "dr_grpo":
+        return [r / nominal_rows for r in rows]
+    return [1 / max(all_micro, 1)] * len(rows)
+
+
+def loss_parts(cfg, num_prompts: int) -> list[tuple[int, int]]:
+    """The parts of a batch whose losses are aggregated on their own and then summed, each as
+    (nominal rows in the global batch, longest allowed completion): dr_grpo's constant is their
+    product. One part, except GRPO-MA with --ma-weighting parts: part 0 the K thoughts, part 1 the
+    K*M answers of each prompt (a row's part is whether it has a parent), so that
+    J = J(thoughts) + J(answers) and the thoughts keep their share of the objective for every M.
+    (--ma-weighting tokens pools both in one aggregation: under dapo the thoughts' share is
+    Lt / (Lt + M*La), under grpo 1 / (1 + M).)"""
+    P, G = num_prompts, cfg.num_generations
+    if cfg.variant == "ma":
+        K, M = cfg.num_thoughts, cfg.num_answers
+        if cfg.ma_weighting == "parts":
+            return [(P * K, cfg.max_new_tokens), (P * K * M, cfg.max_answer_tokens)]
+        return [(P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
+    if cfg.variant == "ta":
+        return [(P * (cfg.num_rephrasings + 1) * G, cfg.max_new_tokens)]
+    return [(P * G, cfg.max_new_tokens)]
 
 # =============================================================================
 # 2. Samples into rows: the reward, the rows every variant hands to the loss, one rollout each.
@@ -501,13 +543,12 @@ def sample_metrics(rewards, group_size, parsed, tagged, samples) -> dict:
     tags) metrics of one step's samples."""
     groups = rewards.reshape(-1, group_size)
     lengths = samples.completion_mask.sum(1).float()
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": (groups.amax(1) == groups.amin(1)).float().mean().item(),
-            "completion_length": lengths.mean().item(),
-            "completion_length_max": lengths.max().item(),
-            "truncated": 1 - samples.finished.float().mean().item(),
-            "unparseable": 1 - parsed.float().mean().item(), "format": tagged.float().mean().item(),
-            "tokens": lengths.sum().item()}
+    return {"reward": global_mean(rewards), "reward_std": global_std(rewards),
+            "frac_reward_zero_std": global_mean(groups.amax(1) == groups.amin(1)),
+            "completion_length": global_mean(lengths),
+            "completion_length_max": all_reduce([lengths.max().item()], "max")[0],
+            "truncated": 1 - global_mean(samples.finished), "unparseable": 1 - global_mean(parsed),
+            "format": global_mean(tagged), "tokens": all_reduce([lengths.sum().item()])[0]}
 
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -526,8 +567,8 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
         weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much completions share
     on = mask.bool()
     metrics.update(sample_metrics(rewards, G, parsed, tagged, s),
-                   lambda_mean=(1 / weights[on]).mean().item(),           # mean |λ| over tokens
-                   lambda_shared=(weights[on] < 1).float().mean().item())  # share with |λ| > 1
+                   lambda_mean=global_mean(1 / weights[on]),      # mean |λ| over tokens
+                   lambda_shared=global_mean(weights[on] < 1))    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     token_weights = weights if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
@@ -549,10 +590,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
 
     Each thought is one row (context = prompt, advantage = thought advantage), trained once, not M
     times; each answer is one row (context = prompt + its thought: its parent is the thought row,
-    advantage = answer advantage). Under the token aggregations (dapo, bnpo) every thought and
-    answer token weighs the same in one token mean, so the K*M answers together outweigh the K
-    thoughts when answers are as long; under grpo each row (thought or answer) is one sequence of
-    the row mean; under dr_grpo every token counts 1/(rows * max length).
+    advantage = answer advantage). How thought and answer rows are weighed against each other is
+    update()'s business (see loss_parts and --ma-weighting).
     """
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     P = len(batch)
@@ -565,6 +604,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     thoughts = decode(tokenizer, th.completion_ids, th.completion_mask)
     rewards = torch.full((P * K, M), math.nan)  # (P*K, M): unclosed thoughts have no answers
     answer_rows = keep.repeat_interleave(M)  # the thought row each answer continues
+    # per answer; empty when no thought closed
+    r = torch.zeros(0)
+    answer_lengths = torch.zeros(0)
+    parsed = torch.zeros(0, dtype=torch.bool)
+    tagged = torch.zeros(0, dtype=torch.bool)
+    finished = torch.zeros(0, dtype=torch.bool)
     if len(keep):
         with timed(metrics, "time/sample"):
             continued = th.prefix.select(answer_rows.to(th.prefix.last.device))
@@ -576,14 +621,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
             r, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
                                             cfg.reward, prefixes)
             rewards[keep] = r.view(-1, M)
-        answer_metrics = dict(answer_reward=r.mean().item(),
-                              answer_length=ans.completion_mask.sum(1).float().mean().item(),
-                              truncated=1 - ans.finished.float().mean().item(),
-                              unparseable=1 - parsed.float().mean().item(),
-                              format=tagged.float().mean().item())
-    else:  # no thought closed: nothing was answered
-        answer_metrics = dict(answer_reward=0.0, answer_length=0.0, truncated=1.0, unparseable=1.0,
-                              format=0.0)
+        answer_lengths = ans.completion_mask.sum(1).float()
+        finished = ans.finished
     grid = rewards.view(P, K, M)
     thought_adv, answer_adv = on_global_batch(ma_advantages, grid, cfg.scale_rewards)
     # rows: the P*K thoughts, then the answers of the closed ones, right-padded to one width
@@ -600,11 +639,15 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_rows // K])
     parent = torch.cat([torch.full((P * K,), -1), answer_rows])
     values = grid.nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
-    metrics.update(answer_metrics, reward=values.mean().item(), reward_std=values.std().item(),
-                   thought_reward=values.mean().item(),
-                   frac_reward_zero_std=(values.amax(1) == values.amin(1)).float().mean().item(),
-                   unclosed_thoughts=1 - closed.float().mean().item(), tokens=mask.sum().item(),
-                   thought_length=th.completion_mask.sum(1).float().mean().item())
+    # answer metrics are NaN (null in metrics.jsonl) when no thought of the batch closed
+    metrics.update(answer_reward=global_mean(r), answer_length=global_mean(answer_lengths),
+                   truncated=1 - global_mean(finished), unparseable=1 - global_mean(parsed),
+                   format=global_mean(tagged), reward=global_mean(values),
+                   reward_std=global_std(values), thought_reward=global_mean(values),
+                   frac_reward_zero_std=global_mean(values.amax(1) == values.amin(1)),
+                   unclosed_thoughts=1 - global_mean(closed),
+                   tokens=all_reduce([mask.sum().item()])[0],
+                   thought_length=global_mean(th.completion_mask.sum(1).float()))
     return Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages)), metrics
 
 
@@ -646,11 +689,11 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     pooled = [rewards[p][~rewards[p].isnan()] for p in range(len(batch))]
     metrics.update(sample_metrics(r, G, parsed, tagged, s))
     # zero variance as plain GRPO would have met it (q0's own G responses), and after pooling
-    metrics["frac_reward_zero_std"] = (originals.amax(1) == originals.amin(1)).float().mean().item()
-    pooled_constant = [(g.max() == g.min()).item() for g in pooled]
-    metrics["frac_reward_zero_std_pooled"] = float(np.mean(pooled_constant))
-    metrics["reward_original"] = originals.mean().item()
-    metrics["reward_rephrased"] = r[j_idx > 0].mean().item()
+    metrics["frac_reward_zero_std"] = global_mean(originals.amax(1) == originals.amin(1))
+    pooled_constant = torch.tensor([(g.max() == g.min()).item() for g in pooled])
+    metrics["frac_reward_zero_std_pooled"] = global_mean(pooled_constant)
+    metrics["reward_original"] = global_mean(originals)
+    metrics["reward_rephrased"] = global_mean(r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages), metrics
 
@@ -723,8 +766,10 @@ def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
 
 
 def pick(logits, temperature: float, top_p: float, greedy: bool):
-    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), the
-    distribution the loss's log-probs see, cut to its top-p nucleus when top_p < 1."""
+    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T) cut to
+    its top-p nucleus when top_p < 1. The loss's log-probs see the full softmax(logits / T), as
+    TRL's do, so with top_p < 1 the ratio is not that of the distribution sampled from: train with
+    --top-p 1."""
     if greedy:
         return logits.argmax(-1)
     probs = (logits / temperature).softmax(-1)
@@ -776,7 +821,7 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
         cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
         ended_rows, ended_prefixes = [], []
         for t in range(max_new_tokens):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)  # mask may have no columns
             hidden, cache = run_decoder(model, token[:, None], mask, cache)
             token = pick(model.lm_head(hidden[:, -1]).float(), temperature, top_p, greedy)
             ids[rows, t] = token
@@ -945,19 +990,33 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
 # =============================================================================
 
 
-def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
+def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_prompts: int) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses
-    are weighted to add up to the loss of the whole (global) batch; gradients are summed over the
-    ranks."""
+    are weighted to add up to the loss of the whole (global) batch of num_prompts prompts;
+    gradients are summed over the ranks. Each part of the batch (loss_parts) is aggregated on its
+    own: J = sum over parts q of sum over micro-batches j of weight[q][j] * loss(part q of j)."""
     metrics = {}
     micro = micro_batches(rows, cfg.micro_batch_size)
-    tokens = [m.completion_mask.sum().item() for m in micro]
-    weights = micro_batch_weights(cfg.loss_type, [len(m) for m in micro], tokens)
-    # kl and the clip fractions are token means of the batch, whatever the loss type
-    token_share = micro_batch_weights("dapo", [len(m) for m in micro], tokens)
+    parts = loss_parts(cfg, num_prompts)
+    # in_part[q][j]: which rows of micro-batch j are in part q (GRPO-MA parts: the answers, the rows
+    # with a parent, are part 1)
+    ma_parts = cfg.variant == "ma" and cfg.ma_weighting == "parts"
+    in_part = [[], []] if ma_parts else [[]]
+    for m in micro:
+        if ma_parts:
+            in_part[0].append(m.parent < 0)
+            in_part[1].append(m.parent >= 0)
+        else:
+            in_part[0].append(torch.ones(len(m), dtype=torch.bool))
+    all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
+    weights, token_share = [], []  # [q][j], as in_part
+    for q, (nominal_rows, _) in enumerate(parts):
+        n_rows = [int(sel.sum()) for sel in in_part[q]]
+        n_tokens = [m.completion_mask[sel].sum().item() for m, sel in zip(micro, in_part[q])]
+        weights.append(micro_batch_weights(cfg.loss_type, n_rows, n_tokens, nominal_rows))
+        # kl and the clip fractions are token means of the whole batch, whatever the loss type
+        token_share.append([t / max(all_tokens, 1) for t in n_tokens])
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
-    # dr_grpo's constant normaliser: the longest a completion (thought or answer) may be
-    max_len = max(cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     with timed(metrics, "time/logps"), torch.no_grad():
         # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the
         # current ones, detached
@@ -966,21 +1025,36 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
             old = [logps_of(model, m, cfg.temperature, device) for m in micro]
         if cfg.beta > 0:
             ref = [logps_of(ref_model, m, cfg.temperature, device) for m in micro]
-    totals, grad_norms = {}, []
+    # the same keys on every rank, whatever parts it holds, for the all_reduce below
+    totals = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0}
+    if cfg.beta > 0:
+        totals["kl"] = 0.0
+    grad_norms = []
     with timed(metrics, "time/update"):
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature, device)
-                loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), m.advantages.to(device),
-                    m.completion_mask.to(device), ref_per_token_logps=ref[j] if ref else None,
-                    token_weights=None if m.token_weights is None else m.token_weights.to(device),
-                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None,
-                    loss_type=cfg.loss_type, max_completion_length=max_len)
-                (loss * weights[j]).backward()
-                for key, value in dict(loss_metrics, loss=loss.item()).items():
-                    share = weights[j] if key == "loss" else token_share[j]
-                    totals[key] = totals.get(key, 0.0) + value * share / cfg.num_iterations
+                old_logps = old[j] if old else logps.detach()
+                total = 0.0
+                for q, (_, max_len) in enumerate(parts):
+                    sel = in_part[q][j].to(device)
+                    if not sel.any():
+                        continue
+                    token_weights = None
+                    if m.token_weights is not None:
+                        token_weights = m.token_weights.to(device)[sel]
+                    loss, loss_metrics = policy_loss(
+                        logps[sel], old_logps[sel], m.advantages.to(device)[sel],
+                        m.completion_mask.to(device)[sel],
+                        ref_per_token_logps=ref[j][sel] if ref else None,
+                        token_weights=token_weights, beta=cfg.beta, epsilon=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type,
+                        max_completion_length=max_len)
+                    total = total + loss * weights[q][j]
+                    for key, value in dict(loss_metrics, loss=loss.item()).items():
+                        share = weights[q][j] if key == "loss" else token_share[q][j]
+                        totals[key] = totals.get(key, 0.0) + value * share / cfg.num_iterations
+                total.backward()
             sum_gradients(model)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             if not math.isfinite(norm.item()):  # a NaN step would poison the weights for good
@@ -999,8 +1073,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     """One step: draw P prompts, sample and score (this rank's share), then update. Returns the
     step's metrics."""
     t_step = time.perf_counter()
-    W = world_size()
-    rank = torch.distributed.get_rank() if W > 1 else 0
+    W, rank = world_size(), this_rank()
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
     rng = random.Random(cfg.seed * 1_000_003 + step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
@@ -1009,10 +1082,14 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     batch = rng.sample(train_rows, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
-    metrics = reduce_metrics(metrics)
-    metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
+    metrics.update(update(model, ref_model, optimizer, rows, cfg, device, P))
     metrics["time/step"] = time.perf_counter() - t_step
-    metrics["tokens_per_s"] = metrics["tokens"] * W / metrics["time/sample"]
+    # the slowest rank's phase times, in one call with the same keys on every rank (a rank whose MA
+    # thoughts all stayed open scored nothing)
+    phases = ["time/sample", "time/score", "time/logps", "time/update", "time/step"]
+    slowest = all_reduce([metrics.get(key, 0.0) for key in phases], "max")
+    metrics.update(zip(phases, slowest))
+    metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
     return metrics
 
 
@@ -1046,15 +1123,11 @@ def train(cfg: Config) -> dict:
             log.write(json.dumps(finite(record), allow_nan=False) + "\n")
             log.flush()
 
-    def run_eval(step):  # rank 0 evaluates; the others wait
+    def run_eval(step):  # every rank evaluates its share; rank 0 writes
         if eval_due(cfg, step):
-            result = None
-            if main_rank:
-                with autocast:
-                    result = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
+            with autocast:
+                result = evaluate(model, tokenizer, test_rows, cfg, eval_seed)
             write({"step": step, "eval": result})
-            if W > 1:
-                torch.distributed.barrier()
 
     t0 = time.time()
     done = start  # completed steps: the weights are those of step `done`
@@ -1136,30 +1209,35 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model, tokenizer, rows: list[dict], cfg: Config, seed: int,
              max_rows: int = 512) -> dict:
     """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per question at the
-    training temperature (pass@1 is the mean accuracy of those samples); at most max_rows sampled at
-    once."""
-    torch.manual_seed(seed)
-    n = cfg.eval_samples
+    training temperature (pass@1 is the mean accuracy of those samples), and the share of samples
+    that wrote the answer tags. The questions go in chunks of at most max_rows samples; chunk c is
+    seeded with seed + c and sampled by rank c % W, and the counts are summed over the ranks, so W
+    ranks evaluate about W times faster and get exactly what one process gets."""
+    n, W, rank = cfg.eval_samples, world_size(), this_rank()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)  # ma: both
-    greedy, correct, tagged = [], [], []
-    step = max(1, max_rows // n)
-    for i in range(0, len(rows), step):
-        chunk = rows[i:i + step]
+    size = max(1, max_rows // n)
+    greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
+    for c, start in enumerate(range(0, len(rows), size)):
+        if c % W != rank:
+            continue
+        torch.manual_seed(seed + c)
+        chunk = rows[start:start + size]
         prompts = [prompt_ids(tokenizer, row["question"], cfg.system_prompt) for row in chunk]
         answers = [row["answer"] for row in chunk]
         s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy.append(score_batch(tokenizer, s, answers, reward=cfg.reward)[0])
+        greedy += score_batch(tokenizer, s, answers, reward=cfg.reward)[0].sum().item()
         s = generate(model, tokenizer, prompts, n, limit, temperature=cfg.temperature,
                      top_p=cfg.top_p)
         rewards, _, tags = score_batch(tokenizer, s, [a for a in answers for _ in range(n)],
                                        reward=cfg.reward)
-        correct.append(rewards)
-        tagged.append(tags)
-    counts = torch.cat(correct).view(len(rows), n).sum(1).long().tolist()
-    result = {"greedy": torch.cat(greedy).mean().item(),
-              "format": torch.cat(tagged).float().mean().item()}  # share of samples with the tags
+        tagged += tags.sum().item()
+        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
+            for k in range(1, n + 1):
+                pass_k[k - 1] += pass_at_k(n, correct, k)
+    totals = all_reduce([greedy, tagged] + pass_k)
+    result = {"greedy": totals[0] / len(rows), "format": totals[1] / (len(rows) * n)}
     for k in range(1, n + 1):
-        result[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
+        result[f"pass@{k}"] = totals[1 + k] / len(rows)
     return result
 
 # =============================================================================
@@ -1599,7 +1677,10 @@ def setup_distributed(cfg: Config):
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # NCCL's default timeout is 10 minutes; a long step of a large model or a slow save on rank 0
+    # would kill the job
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=datetime.timedelta(hours=2))
     return rank, device
 
 
@@ -1608,15 +1689,37 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def this_rank() -> int:
+    """This process's rank (0 without torchrun)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum (or mean, or max) plain numbers over the ranks; identity in a single process."""
+    """Sum (or max) plain numbers over the ranks; identity in a single process."""
     if not torch.distributed.is_initialized():
         return values
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=device)
     reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
     torch.distributed.all_reduce(t, reduce_op)
-    return (t / world_size() if op == "mean" else t).tolist()
+    return t.tolist()
+
+
+def global_mean(x: torch.Tensor) -> float:
+    """The mean of x's entries over all ranks, from summed sums and counts (NaN if none): what one
+    process holding the whole batch would compute, also when ranks hold different numbers of rows
+    (GRPO-MA's answers, TA-GRPO's rephrasings)."""
+    total, count = all_reduce([x.double().sum().item(), x.numel()])
+    return total / count if count else math.nan
+
+
+def global_std(x: torch.Tensor) -> float:
+    """The unbiased std of x's entries over all ranks, from summed sums and sums of squares."""
+    x = x.double()
+    total, squares, count = all_reduce([x.sum().item(), (x * x).sum().item(), x.numel()])
+    if count < 2:
+        return math.nan
+    return math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
 def on_global_batch(scheme, rewards, *args):
@@ -1648,12 +1751,6 @@ def sum_gradients(model):
                 p.grad = torch.zeros_like(p)
             torch.distributed.all_reduce(p.grad)
 
-
-def reduce_metrics(metrics: dict) -> dict:
-    """A rank's rollout metrics averaged over the ranks (the maximum for *_max keys)."""
-    keys = sorted(metrics)
-    means, maxima = (all_reduce([metrics[k] for k in keys], op) for op in ("mean", "max"))
-    return {k: hi if k.endswith("_max") else m for k, m, hi in zip(keys, means, maxima)}
 
 # -----------------------------------------------------------------------------
 # Timing and the command line.

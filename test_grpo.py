@@ -98,6 +98,18 @@ def test_ratio_one_and_no_clipping_at_mu_one():
     assert torch.allclose(logps.grad, -adv[:, None].expand(3, 5) / 15)
 
 
+def test_epsilon_high_worked_numbers():
+    """ε = 0.2, ε_high = 0.28, A = +1: ratio 1.25 lies in (1 + ε, 1 + ε_high], so it is not clipped (loss -1.25,
+    gradient 1.25 = ratio); ratio 1.35 is clipped at 1.28 (no gradient)."""
+    old = torch.zeros(1, 2)
+    logps = torch.log(torch.tensor([[1.25, 1.35]])).requires_grad_()
+    loss, metrics = grpo.policy_loss(logps, old, torch.tensor([1.0]), torch.ones(1, 2), epsilon=0.2,
+                                     epsilon_high=0.28, loss_type="dapo")
+    assert loss.item() == pytest.approx(-(1.25 + 1.28) / 2, abs=1e-6) and metrics["clip_high"] == 0.5
+    loss.backward()
+    assert logps.grad.tolist()[0] == pytest.approx([-1.25 / 2, 0.0], abs=1e-6)
+
+
 def test_clipping_and_clip_higher():
     old = torch.zeros(1, 4)
     logps = torch.log(torch.tensor([[0.7, 1.25, 1.35, 1.0]]))
@@ -500,10 +512,95 @@ def test_micro_batches_keep_a_thought_with_its_answers(tiny):
 
 
 def test_micro_batch_weights_worked_example():
-    assert grpo.micro_batch_weights("dapo", [2, 2], [3, 5]) == [3 / 8, 5 / 8]
-    for loss_type in ("grpo", "dr_grpo", "bnpo"):
-        assert grpo.micro_batch_weights(loss_type, [2, 2], [3, 5]) == [1 / 2, 1 / 2]
-    assert grpo.micro_batch_weights("grpo", [1, 3], [3, 5]) == [1 / 4, 3 / 4]
+    assert grpo.micro_batch_weights("dapo", [2, 2], [3, 5], 8) == [3 / 8, 5 / 8]
+    for loss_type in ("grpo", "bnpo"):
+        assert grpo.micro_batch_weights(loss_type, [2, 2], [3, 5], 8) == [1 / 2, 1 / 2]
+    assert grpo.micro_batch_weights("dr_grpo", [2, 2], [3, 5], 8) == [1 / 4, 1 / 4]  # rows / nominal rows
+    assert grpo.micro_batch_weights("grpo", [1, 3], [3, 5], 8) == [1 / 4, 3 / 4]
+    assert grpo.micro_batch_weights("bnpo", [0, 3], [0, 5], 8)[1] == 1.0  # an empty micro-batch is not counted
+
+
+def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True)):
+    """One prompt, K = 2 thoughts of 3 tokens, M answers of 2 tokens for each closed thought."""
+    prompt = grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)
+    thought, answer = tok("abc", add_special_tokens=False).input_ids, tok("de", add_special_tokens=False).input_ids
+    parents = [k for k in range(2) if closed[k] for _ in range(M)]
+    ids = torch.tensor([thought] * 2 + [answer + [tok.pad_token_id]] * len(parents))
+    mask = torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]] * len(parents))
+    advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
+    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), torch.tensor([-1, -1] + parents), ids,
+                     mask, advantages)
+
+
+def ma_loss(tiny, rows, M, **kw):
+    """update()'s loss at μ = 1 (the ratio is 1, so it is -(weighted mean advantage)) and its gradient norm."""
+    model, _ = tiny
+    cfg = grpo.Config(variant="ma", num_thoughts=2, num_answers=M, max_new_tokens=4, max_answer_tokens=4,
+                      max_grad_norm=1e9, **kw)
+    metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, "cpu", 1)
+    return metrics["loss"], metrics["grad_norm"]
+
+
+# The thoughts' share of the objective: loss with thought advantages 1 and answer advantages 0, over the loss
+# with both 1. K = 2 thoughts of Lt = 3 tokens, K*M answers of La = 2; limits 4 and 4 (dr_grpo's constants).
+# parts: each part aggregated alone, then summed: 1/2 for every M (dr_grpo: (3/4) / (3/4 + 2/4) = 0.6);
+# tokens: one pooled aggregation: dapo, bnpo and dr_grpo 3 / (3 + 2M), grpo 1 / (1 + M).
+THOUGHT_SHARE = {("parts", "dapo"): lambda M: 0.5, ("parts", "bnpo"): lambda M: 0.5,
+                 ("parts", "grpo"): lambda M: 0.5, ("parts", "dr_grpo"): lambda M: 0.6,
+                 ("tokens", "dapo"): lambda M: 3 / (3 + 2 * M), ("tokens", "bnpo"): lambda M: 3 / (3 + 2 * M),
+                 ("tokens", "grpo"): lambda M: 1 / (1 + M), ("tokens", "dr_grpo"): lambda M: 3 / (3 + 2 * M)}
+
+
+@pytest.mark.parametrize("weighting,loss_type", list(THOUGHT_SHARE))
+def test_ma_weighting_keeps_the_thoughts_share_for_every_m(tiny, weighting, loss_type):
+    tok = tiny[1]
+    for M in (1, 4, 8):
+        only_thoughts = ma_loss(tiny, ma_rows(tok, M, 1.0, 0.0), M, ma_weighting=weighting, loss_type=loss_type)[0]
+        both = ma_loss(tiny, ma_rows(tok, M, 1.0, 1.0), M, ma_weighting=weighting, loss_type=loss_type)[0]
+        assert only_thoughts / both == pytest.approx(THOUGHT_SHARE[weighting, loss_type](M), abs=1e-6), M
+    if (weighting, loss_type) == ("parts", "dapo"):
+        assert both == pytest.approx(-2.0, abs=1e-6)  # J = J(thoughts) + J(answers): -1 - 1
+
+
+@pytest.mark.parametrize("weighting", ["parts", "tokens"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])  # (bnpo is per micro-batch by definition)
+def test_ma_micro_batches_add_up_to_the_whole_batch(tiny, weighting, loss_type):
+    """One micro-batch per thought (with its answers) against one for everything: same loss, same gradient."""
+    tok = tiny[1]
+    rows = ma_rows(tok, 3)
+    rows.advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(0))
+    whole = ma_loss(tiny, rows, 3, ma_weighting=weighting, loss_type=loss_type, micro_batch_size=100)
+    split = ma_loss(tiny, rows, 3, ma_weighting=weighting, loss_type=loss_type, micro_batch_size=1)
+    assert split == pytest.approx(whole, rel=1e-5)
+
+
+def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
+    """Half the thoughts unclosed: their answers were never made, and dr_grpo's constant does not move."""
+    tok = tiny[1]
+    rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False))  # 2 thoughts, 2 answers (of 2 + 4 nominal)
+    # tokens: nominal rows P*K*(1+M) = 6, times the longest limit 4: (2*3 + 2*2) / 24
+    assert ma_loss(tiny, rows, 2, ma_weighting="tokens", loss_type="dr_grpo")[0] == pytest.approx(-10 / 24)
+    # parts: thoughts (2*3) / (P*K * 4) + answers (2*2) / (P*K*M * 4)
+    assert ma_loss(tiny, rows, 2, ma_weighting="parts", loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
+    ta = grpo.Config(variant="ta", num_rephrasings=3, num_generations=4, max_new_tokens=7)
+    assert grpo.loss_parts(ta, 2) == [(32, 7)]  # P * (N+1) * G rows, however many rephrasings were drawn
+    assert grpo.loss_parts(grpo.Config(num_generations=4, max_new_tokens=7), 2) == [(8, 7)]
+
+
+def test_sampler_takes_prompts_of_one_token(tiny):
+    """The cache is empty and the mask has no columns at the first step: it must still grow."""
+    from transformers import GenerationConfig
+    model, tok = tiny
+    model.eval()
+    prompts = [[tok.convert_tokens_to_ids("<|assistant|>")], [tok.convert_tokens_to_ids("1")]]
+    ours = grpo.generate(model, tok, prompts, 1, 6, greedy=True)
+    ids, mask = grpo.left_pad(prompts, tok.pad_token_id)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=grpo.eos_ids(model, tok),
+                              pad_token_id=tok.pad_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, 1:]
+    for i in range(2):
+        n = int(ours.completion_mask[i].sum())
+        assert n > 1 and ours.completion_ids[i, :n].tolist() == theirs[i, :n].tolist()
 
 
 def test_sampler_is_seeded_and_masks_what_it_generated(tiny):
@@ -1349,7 +1446,7 @@ def test_bench_lambda_weights_cost(request, tiny):
         rows.token_weights = grpo.lambda_weights(ids, mask, G)
         lam.append(time.perf_counter() - t)
         t = time.perf_counter()
-        grpo.update(model, None, opt, rows, cfg, "cpu")
+        grpo.update(model, None, opt, rows, cfg, "cpu", B // G)
         step.append(time.perf_counter() - t)
     lam_s, step_s = sorted(lam)[2], sorted(step)[2]
     print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
@@ -1573,7 +1670,7 @@ def test_prompt_longer_than_the_model_stops_before_training(tmp_path):
     assert f"{data}:2: a prompt of " in stop and "+ 32 new tokens" in stop and "256 positions" in stop
     assert "\n" not in stop
     stop = run("--test-data", data, "--variant", "ma", "--out", str(tmp_path / "out"))
-    assert f"{data}:2:" in stop and "+ 44 new tokens" in stop  # ma: thought + answer budget
+    assert f"{data}:2:" in stop and "+ 56 new tokens" in stop  # ma: thought + answer budget
 
 
 # -----------------------------------------------------------------------------
@@ -1731,7 +1828,8 @@ def ddp_case(loss_type):
     advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
     rows = grpo.Rows(prompts, torch.arange(8).repeat_interleave(4), torch.full((32,), -1), s.completion_ids,
                      s.completion_mask, advantages)
-    cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1)
+    cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1,
+                      num_generations=4)
     # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
     return model, ref, rows, cfg, torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -1743,7 +1841,7 @@ def ddp_worker(rank, world, port, out):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        metrics = grpo.update(model, ref, opt, share, cfg, "cpu")
+        metrics = grpo.update(model, ref, opt, share, cfg, "cpu", 8)
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
     advantages = [grpo.on_global_batch(scheme, rewards.chunk(world)[rank], *args)
@@ -1762,6 +1860,60 @@ def batch_scale_cases():
             (grpo.ta_advantages, ta, ("batch",))]
 
 
+# Scripted answers per question (the tiny tokenizer), so that samples do not depend on the random stream: rank 0
+# holds questions whose thoughts close, rank 1 questions whose thoughts never do (MA) and ragged phrasings (TA).
+DDP_SCRIPTS = {"1+2=": "<think>1+2=3</think><answer>3</answer>", "2+2=": "<think>2+2=5</think><answer>5</answer>",
+               "3+3=": "<think>3+3=6", "4+4=": "<think>4+4", "what is 1 plus 2?": "<answer>3</answer>",
+               "add 1 to 2": "<answer>4</answer>", "what is 4 plus 4?": "<answer>8</answer>"}
+DDP_BATCH = [{"question": "1+2=", "answer": "3", "rephrasings": ["what is 1 plus 2?", "add 1 to 2"]},
+             {"question": "2+2=", "answer": "4", "rephrasings": []},
+             {"question": "3+3=", "answer": "6", "rephrasings": []},
+             {"question": "4+4=", "answer": "8", "rephrasings": ["what is 4 plus 4?"]}]
+
+
+def rollout_and_eval_metrics(rank, world):
+    """MA and TA rollout metrics of this rank's half of DDP_BATCH, and an eval of 12 held-out questions."""
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    lm = scripted(tok, DDP_SCRIPTS)
+    batch = DDP_BATCH[rank * 4 // world:(rank + 1) * 4 // world]
+    out = {}
+    for variant in ("ma", "ta"):
+        cfg = grpo.Config(variant=variant, system_prompt="", num_thoughts=2, num_answers=2, num_generations=2,
+                          num_rephrasings=2, max_new_tokens=24, max_answer_tokens=12)
+        metrics = grpo.ROLLOUTS[variant](lm, tok, cfg, batch, random.Random(0))[1]
+        out[variant] = {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    cfg = grpo.Config(eval_samples=3)
+    out["eval"] = grpo.evaluate(model, tok, grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12], cfg, 7, max_rows=6)
+    return out
+
+
+def ddp_metrics_worker(rank, world, port, out):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    result = rollout_and_eval_metrics(rank, world)
+    if rank == 0:
+        torch.save(result, f"{out}/metrics.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_log_the_metrics_and_eval_of_one(tmp_path):
+    """Every logged number is that of one process on the whole batch: means over rows that ranks hold in
+    different numbers (MA's answers: rank 1 has none; TA's phrasings) and the eval, split by chunks."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(ddp_metrics_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    two, one = torch.load(tmp_path / "metrics.pt"), rollout_and_eval_metrics(0, 1)
+    assert one["ma"]["answer_reward"] == 0.5 and 0 < one["ma"]["unclosed_thoughts"] < 1  # the case is uneven
+    assert one["ta"]["reward_rephrased"] == pytest.approx(2 / 3)
+    for part in ("ma", "ta", "eval"):
+        assert two[part].keys() == one[part].keys()
+        for key, value in one[part].items():
+            assert two[part][key] == pytest.approx(value, abs=1e-12, nan_ok=True), (part, key)
+
+
 def test_two_gloo_processes_update_like_one(tmp_path):
     import socket
     with socket.socket() as s:
@@ -1771,7 +1923,7 @@ def test_two_gloo_processes_update_like_one(tmp_path):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu")
+        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu", 8)
         ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
         for k, v in model.state_dict().items():
@@ -1999,17 +2151,18 @@ EVAL = ["--eval-every", "25", "--steps", "100"]
 
 
 @bench
+@pytest.mark.parametrize("weighting", ["parts", "tokens"])
 @pytest.mark.parametrize("model", ["noisy-thoughts", "noisy-answers"])
-def test_bench_compare_ma(request, tmp_path, model):
-    """GRPO-MA at K*M = 16 answers per prompt, P = 8, against GRPO with G = 16 (T16A1); MA's thought and
-    answer limits (24 + 8) equal GRPO's 32, so evals are alike."""
+def test_bench_compare_ma(request, tmp_path, model, weighting):
+    """GRPO-MA at K*M = 16 answers per prompt, P = 8, under one --ma-weighting; with `tokens` also GRPO with
+    G = 16 (T16A1), which has no weighting to choose. MA's thought and answer limits (24 + 8) equal GRPO's 32,
+    so evals are alike."""
     base = variant(model) + EVAL + ["--prompts-per-step", "8", "--max-new-tokens", "32"]
-    ma = ["--variant", "ma", "--max-new-tokens", "24", "--max-answer-tokens", "8"]
-    compare(f"GRPO-MA, model {model}", {
-        "T16A1 (GRPO, G=16)": base + ["--num-generations", "16"],
-        "T4A4": base + ma + ["--num-thoughts", "4", "--num-answers", "4"],
-        "T8A2": base + ma + ["--num-thoughts", "8", "--num-answers", "2"]}, tmp_path,
-        extra=["frac_reward_zero_std", "time/step"])
+    ma = ["--variant", "ma", "--max-new-tokens", "24", "--max-answer-tokens", "8", "--ma-weighting", weighting]
+    cells = {"T16A1 (GRPO, G=16)": base + ["--num-generations", "16"]} if weighting == "tokens" else {}
+    cells[f"T4A4 {weighting}"] = base + ma + ["--num-thoughts", "4", "--num-answers", "4"]
+    cells[f"T8A2 {weighting}"] = base + ma + ["--num-thoughts", "8", "--num-answers", "2"]
+    compare(f"GRPO-MA, model {model}", cells, tmp_path, extra=["frac_reward_zero_std", "time/step"])
 
 
 @bench
