@@ -823,7 +823,10 @@ def test_sigterm_at_a_random_moment_in_a_real_process(uninterrupted, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     stopped = re.search(r"SIGTERM after step (\d+)", stderr)
-    assert proc.returncode == (1 if stopped else 0), stderr
+    if proc.returncode == -signal.SIGTERM:  # it landed after training, once the handler was restored
+        assert (out / "checkpoint-5" / "state.pt").is_file(), stderr
+    else:
+        assert proc.returncode == (1 if stopped else 0), stderr
     if stopped:  # it may have finished first on a fast machine; then there is nothing to resume
         assert (out / f"checkpoint-{stopped.group(1)}" / "state.pt").is_file()
         grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
