@@ -50,6 +50,26 @@ makes for one prompt (or question) p:
 A variant is a function that samples and fills rows; update() does not know which variant made
 them.
 
+One training step (train_step, then update), in pseudocode:
+
+    batch = P prompts drawn for this step (from seed and step)
+    rows = ROLLOUTS[variant](model, tokenizer, cfg, batch, rng), e.g. rollout_grpo:
+        completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
+        rewards = score_batch(tokenizer, completions, answers)      # 1 if the answer is right
+        advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
+    old_logps = rows_logps(model, rows) if μ > 1                    # (and ref_logps if β > 0)
+    for each of the μ = --num-iterations passes:
+        for each micro-batch of rows:
+            logps = rows_logps(model, micro)                        # log π(o_t | context, o_<t)
+            loss = policy_loss(logps, old_logps or logps.detach(), advantages, mask, ...)
+            (loss * micro_batch_weights(...)).backward()            # adds up to the batch's loss
+        sum_gradients (ranks); clip_grad_norm_; optimizer.step()
+
+The default run is on-policy (μ = 1): old_logps = logps.detach(), so the ratio is 1, nothing is
+clipped, and the gradient is the policy gradient A ∇ log π; `--num-iterations 2` reuses the batch
+and shows the clip, `--beta 0.04` adds the KL to a frozen reference. The default --loss-type is
+dapo (one token mean over the batch); DeepSeekMath's GRPO is --loss-type grpo.
+
 The objectives (to maximise; the loss is -J). With ρ_t = π(o_t | c, o_<t) / π_old(...), the
 clipped term f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t and |o| tokens in o:
 
@@ -74,7 +94,8 @@ What is simplified versus the papers (honestly):
 - GRPO-MA: thoughts that never close with </think> are not continued: value 0, answers missing
   (see rollout_ma). The paper's weighting between thought and answer tokens is not published;
   the default (parts) follows the one written reading, (1/K) Σ_k J(th_k) + (1/KM) Σ_kj J(a_kj)
-  (exactly so under --loss-type grpo; under dapo each part is a token mean).
+  (exactly so under --loss-type grpo when every thought closes: the answer mean is over the
+  answers that exist; under dapo each part is a token mean).
 - TA-GRPO: rephrasings come from the data file (rule-made for the shipped data; `data/prepare.py
   rephrase` makes them with a local model) instead of GPT-4-Turbo.
 - λ-GRPO: the paper's synthetic experiment used GPT-2; our reproduction uses a tabular policy.
@@ -140,7 +161,8 @@ class Config:
     # TA-GRPO
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original",
-                          "(ta) context of the log-probs: q0 (paper v5) or the rephrasing (code)",
+                          "(ta) context of the log-probs: q0 (paper v5) or the rephrasing "
+                          "(public code)",
                           ["original", "rephrased"])
     # loss and optimisation
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -161,12 +183,16 @@ class Config:
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
     eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
-    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end); SIGTERM, Ctrl-C "
-                               "and crashes save too")
+    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end); SIGTERM and "
+                               "Ctrl-C save too")
     eval_samples: int = _opt(8, "samples per held-out question for pass@k")
     eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
+    log_completions: int = _opt(25, "every N steps, the first prompt's group as text: a table "
+                                    "on the console, a line in <out>/completions.jsonl (0 = off)")
     out: str = _opt("out", "run folder: metrics.jsonl, checkpoint")
-    resume: bool = _opt(False, "continue from the latest checkpoint in --out")
+    resume: bool = _opt(False, "continue from the latest checkpoint in --out, or start the run "
+                               "there if it has none; a finished run exits 0 (one command for the "
+                               "first launch and every requeue)")
     overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
     seed: int = _opt(0, "seed for data order, sampling and init")
     device: str = _opt("auto", "auto: cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
@@ -187,7 +213,8 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 has one value, so 0.)
+    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2's rewards are all
+    equal, so 0.)
     """
     r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
     adv = r - r.nanmean(1, keepdim=True)
@@ -288,7 +315,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     tokens / number of tokens (the same within one micro-batch: they differ in how micro-batches are
     weighted, see micro_batch_weights); dr_grpo = sum / (B * max_completion_length).
 
-    Per-token losses A=[1,1], B=[2,2,2,2]: grpo 1.5, bnpo/dapo 1.667, dr_grpo (length 8) 0.625.
+    Per-token losses of row 1 [1, 1] and row 2 [2, 2, 2, 2]: grpo 1.5, bnpo/dapo 1.667, dr_grpo
+    (length 8) 0.625.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -485,6 +513,7 @@ class Rows:
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
     token_weights: torch.Tensor | None = None  # (B, C) multiplies the whole per-token loss (λ-GRPO)
+    rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
 
     def __len__(self):
         return len(self.completion_ids)
@@ -508,10 +537,15 @@ class Rows:
         parent = self.parent[index]
         parent = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
         C = max(1, int(self.completion_mask[index].sum(1).max()))
-        cut = lambda t: None if t is None else t[index][:, :C] if t.dim() == 2 else t[index]
+
+        def cut(t):  # the selected rows; per-token tensors also lose their empty columns
+            if t is None:
+                return None
+            return t[index][:, :C] if t.dim() == 2 else t[index]
         prompts = [self.prompts[p] for p in used.tolist()]
         return Rows(prompts, new_prompt[self.prompt_index[index]], parent, cut(self.completion_ids),
-                    cut(self.completion_mask), cut(self.advantages), cut(self.token_weights))
+                    cut(self.completion_mask), cut(self.advantages), cut(self.token_weights),
+                    cut(self.rewards))
 
 
 def micro_batches(rows: Rows, size: int) -> list[Rows]:
@@ -572,7 +606,8 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     token_weights = weights if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
-    return Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights), metrics
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards)
+    return rows, metrics
 
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -648,7 +683,9 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    unclosed_thoughts=1 - global_mean(closed),
                    tokens=all_reduce([mask.sum().item()])[0],
                    thought_length=global_mean(th.completion_mask.sum(1).float()))
-    return Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages)), metrics
+    rows = Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages),
+                rewards=torch.cat([values.reshape(-1), r]))
+    return rows, metrics
 
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -695,7 +732,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     metrics["reward_original"] = global_mean(originals)
     metrics["reward_rephrased"] = global_mean(r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
-    return Rows(prompts, prompt_index, torch.full((len(ids),), -1), ids, mask, advantages), metrics
+    parent = torch.full((len(ids),), -1)
+    return Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r), metrics
 
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -908,7 +946,8 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
             for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
-# Log-probs: log π(completion_t | context, completion_<t) / T, each shared context encoded once.
+# Log-probs: log softmax(logits / T) at each completion token given its context and the tokens
+# before it, each shared context encoded once.
 
 
 def rows_logps(model, rows: Rows, temperature: float, device):
@@ -990,6 +1029,47 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
 # =============================================================================
 
 
+def part_weights(micro: list[Rows], parts: list[tuple[int, int]], loss_type: str):
+    """For each part q of the batch (loss_parts) and micro-batch j: which rows of j are in q, the
+    weight of that piece's loss (micro_batch_weights within the part), and its share of the whole
+    batch's tokens (kl and the clip fractions are token means, whatever the loss type). Returns
+    three lists indexed [q][j]. With two parts (GRPO-MA), part 1 is the answers: rows with a
+    parent."""
+    all_tokens = all_reduce([sum(m.completion_mask.sum().item() for m in micro)])[0]
+    in_part, weights, token_share = [], [], []
+    for q, (nominal_rows, _) in enumerate(parts):
+        selected = []
+        for m in micro:
+            if len(parts) == 1:
+                selected.append(torch.ones(len(m), dtype=torch.bool))
+            elif q == 0:
+                selected.append(m.parent < 0)
+            else:
+                selected.append(m.parent >= 0)
+        n_rows = [int(sel.sum()) for sel in selected]
+        n_tokens = [m.completion_mask[sel].sum().item() for m, sel in zip(micro, selected)]
+        in_part.append(selected)
+        weights.append(micro_batch_weights(loss_type, n_rows, n_tokens, nominal_rows))
+        token_share.append([t / max(all_tokens, 1) for t in n_tokens])
+    return in_part, weights, token_share
+
+
+def piece_loss(m: Rows, selected, logps, old_logps, ref_logps, cfg: Config, max_len: int,
+               device):
+    """policy_loss of the rows `selected` (B,) bool of micro-batch m, whose per-token log-probs
+    (current, old and reference, each (B, C) or None) are already computed."""
+    sel = selected.to(device)
+    token_weights = None
+    if m.token_weights is not None:
+        token_weights = m.token_weights.to(device)[sel]
+    return policy_loss(logps[sel], old_logps[sel], m.advantages.to(device)[sel],
+                       m.completion_mask.to(device)[sel],
+                       ref_per_token_logps=None if ref_logps is None else ref_logps[sel],
+                       token_weights=token_weights, beta=cfg.beta, epsilon=cfg.epsilon,
+                       epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type,
+                       max_completion_length=max_len)
+
+
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_prompts: int) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, in micro-batches whose losses
     are weighted to add up to the loss of the whole (global) batch of num_prompts prompts;
@@ -998,24 +1078,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
     metrics = {}
     micro = micro_batches(rows, cfg.micro_batch_size)
     parts = loss_parts(cfg, num_prompts)
-    # in_part[q][j]: which rows of micro-batch j are in part q (GRPO-MA parts: the answers, the rows
-    # with a parent, are part 1)
-    ma_parts = cfg.variant == "ma" and cfg.ma_weighting == "parts"
-    in_part = [[], []] if ma_parts else [[]]
-    for m in micro:
-        if ma_parts:
-            in_part[0].append(m.parent < 0)
-            in_part[1].append(m.parent >= 0)
-        else:
-            in_part[0].append(torch.ones(len(m), dtype=torch.bool))
-    all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
-    weights, token_share = [], []  # [q][j], as in_part
-    for q, (nominal_rows, _) in enumerate(parts):
-        n_rows = [int(sel.sum()) for sel in in_part[q]]
-        n_tokens = [m.completion_mask[sel].sum().item() for m, sel in zip(micro, in_part[q])]
-        weights.append(micro_batch_weights(cfg.loss_type, n_rows, n_tokens, nominal_rows))
-        # kl and the clip fractions are token means of the whole batch, whatever the loss type
-        token_share.append([t / max(all_tokens, 1) for t in n_tokens])
+    in_part, weights, token_share = part_weights(micro, parts, cfg.loss_type)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     with timed(metrics, "time/logps"), torch.no_grad():
         # old log-probs are needed only when the batch is reused (μ > 1); at μ = 1 they equal the
@@ -1037,19 +1100,11 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
                 old_logps = old[j] if old else logps.detach()
                 total = 0.0
                 for q, (_, max_len) in enumerate(parts):
-                    sel = in_part[q][j].to(device)
-                    if not sel.any():
+                    if not in_part[q][j].any():
                         continue
-                    token_weights = None
-                    if m.token_weights is not None:
-                        token_weights = m.token_weights.to(device)[sel]
-                    loss, loss_metrics = policy_loss(
-                        logps[sel], old_logps[sel], m.advantages.to(device)[sel],
-                        m.completion_mask.to(device)[sel],
-                        ref_per_token_logps=ref[j][sel] if ref else None,
-                        token_weights=token_weights, beta=cfg.beta, epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type,
-                        max_completion_length=max_len)
+                    ref_logps = ref[j] if ref else None
+                    loss, loss_metrics = piece_loss(m, in_part[q][j], logps, old_logps, ref_logps,
+                                                    cfg, max_len, device)
                     total = total + loss * weights[q][j]
                     for key, value in dict(loss_metrics, loss=loss.item()).items():
                         share = weights[q][j] if key == "loss" else token_share[q][j]
@@ -1082,6 +1137,8 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     batch = rng.sample(train_rows, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
+    if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
+        log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
     metrics.update(update(model, ref_model, optimizer, rows, cfg, device, P))
     metrics["time/step"] = time.perf_counter() - t_step
     # the slowest rank's phase times, in one call with the same keys on every rank (a rank whose MA
@@ -1093,10 +1150,44 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, train_rows, 
     return metrics
 
 
+def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
+    """--log-completions: the rows of the batch's first prompt (a GRPO group; a GRPO-MA prompt's
+    thoughts, each with its answers; TA's (N+1)*G responses, or q0's G with --ta-anchor
+    rephrased), each with its reward, advantage and (λ-GRPO) mean token weight 1/|λ|, as a line
+    of <out>/completions.jsonl and a short table on the console."""
+    first = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
+    texts = decode(tokenizer, rows.completion_ids[first], rows.completion_mask[first])
+    entries = {}
+    for i, text in zip(first, texts):
+        entry = {"text": text, "reward": rows.rewards[i].item(),
+                 "advantage": rows.advantages[i].mean().item()}
+        if rows.token_weights is not None:
+            on = rows.completion_mask[i].bool()
+            entry["lambda_weight"] = rows.token_weights[i][on].mean().item()
+        entries[i] = entry
+    completions = []
+    for i in first:
+        parent = int(rows.parent[i])
+        if parent >= 0:
+            entries[parent].setdefault("answers", []).append(entries[i])
+        else:
+            completions.append(entries[i])
+    record = {"step": step, "question": question, "completions": completions}
+    with open(Path(cfg.out) / "completions.jsonl", "a") as f:
+        f.write(json.dumps(finite(record), allow_nan=False) + "\n")
+    lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
+    for c in completions:
+        extra = f"  1/|λ| {c['lambda_weight']:.2f}" if "lambda_weight" in c else ""
+        lines.append(f"  {c['reward']:6.2f}  {c['advantage']:+9.2f}  {c['text'][:60]!r}{extra}")
+        for a in c.get("answers", []):
+            lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
+    tqdm.write("\n".join(lines))
+
+
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary it also prints and saves (rank 0).
-    Checkpoints every --save-every steps; SIGTERM, Ctrl-C and an exception save the last completed
-    step (see signals_handled); --resume continues from the latest checkpoint."""
+    Checkpoints every --save-every steps; SIGTERM and Ctrl-C save the last completed step (see
+    signals_handled); a crash leaves the last checkpoint; --resume continues from the latest."""
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -1112,6 +1203,9 @@ def train(cfg: Config) -> dict:
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     out = Path(cfg.out)
+    if checkpoint and start == cfg.steps and (out / "summary.json").exists():
+        print(f"grpo.py: the run in {out} finished at step {start}; nothing to do")
+        return json.loads((out / "summary.json").read_text())
     if main_rank and checkpoint is None:
         remove_old_run(out)
     log = open_metrics(out, start if checkpoint else None, cfg) if main_rank else None
@@ -1154,16 +1248,6 @@ def train(cfg: Config) -> dict:
                 where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
             sys.exit(f"grpo.py: {e} after step {done}: checkpoint saved in {where}; "
                      f"continue with --resume")
-        except BaseException:
-            if main_rank and not _signals["weights_ahead"]:
-                where = save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
-                print(f"grpo.py: step {done + 1} failed; the checkpoint of step {done} is in "
-                      f"{where}", file=sys.stderr)
-            elif main_rank:
-                print(f"grpo.py: step {done + 1} failed while the optimizer was changing the "
-                      f"weights; nothing saved (the last checkpoint in {out} stands)",
-                      file=sys.stderr)
-            raise
     if W > 1:
         torch.distributed.destroy_process_group()
     return report(cfg, time.time() - t0) if main_rank else None
@@ -1488,22 +1572,22 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int
 
 # Flags that a resumed run may change: where and how it runs and evaluates, not what it trains.
 RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eval_samples",
-             "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing"}
+             "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing",
+             "log_completions"}
 
 
 def prepare_out(cfg: Config) -> Path | None:
     """Check the run folder: a folder that already holds a run is only continued (--resume) or
-    replaced (--overwrite), never silently reused. Returns the checkpoint to resume from, if any."""
+    replaced (--overwrite), never silently reused. With --resume and no checkpoint yet (the first
+    launch, or a kill before the first save) the run starts afresh. Returns the checkpoint to
+    resume from, if any."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file, not a folder")
     found = run_files(out)
-    if cfg.resume:
-        if not checkpoints(out):
-            raise ConfigError(f"--resume: no checkpoint in {out} (no {out}/checkpoint-<step> "
-                              f"folder)")
+    if cfg.resume and checkpoints(out):
         return checkpoints(out)[-1]
-    if found and not cfg.overwrite:
+    if found and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with "
                           f"--resume or replace it with --overwrite")
     try:
@@ -1520,7 +1604,7 @@ def run_files(out: Path) -> list[str]:
     if not out.is_dir():
         return []
     return sorted(p.name for p in out.glob("*") if p.name.startswith("checkpoint-")
-                  or p.name in ("metrics.jsonl", "summary.json", "state.pt"))
+                  or p.name in ("metrics.jsonl", "summary.json", "state.pt", "completions.jsonl"))
 
 
 def remove_old_run(out: Path):
@@ -1557,10 +1641,9 @@ def load_state(checkpoint: Path, cfg: Config) -> dict:
                            for n in differ)
         raise ConfigError(f"--resume: {change} would change what the run in {checkpoint.parent} "
                           f"means; keep its flags or start a new run in another --out")
-    finished = (checkpoint.parent / "summary.json").exists()
-    if cfg.steps < state["step"] or (cfg.steps == state["step"] and finished):
+    if cfg.steps < state["step"]:
         raise ConfigError(f"--resume: the run is at step {state['step']}; --steps {cfg.steps} "
-                          f"must be larger")
+                          f"must be at least that")
     return state
 
 # -----------------------------------------------------------------------------
@@ -1574,7 +1657,7 @@ class Interrupted(Exception):
 
 # From the optimizer's first step in a training step until the step counter says so, the weights
 # are ahead of the counter: a signal arriving then is held until the step is counted, so a
-# checkpoint never pairs N updates with step N-1; an exception arriving then cannot be saved from.
+# checkpoint never pairs N updates with step N-1.
 _signals = {"weights_ahead": False, "held": None}
 
 
