@@ -60,14 +60,15 @@ def main(argv=None):
         panel, _, label = name.rpartition(":")
         panels.setdefault(panel, []).append((label, Path(folder)))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    colors = {}  # one colour per label, the same in every panel
     for ax, (panel, runs) in zip(axes[0], panels.items()):
         for label, folder in runs:
             evals, rewards = read(folder)
-            line, = ax.plot([s for s, _ in evals], [p for _, p in evals], marker="o", label=f"{label} pass@1")
+            color = colors.setdefault(label, f"C{len(colors)}")
+            ax.plot([s for s, _ in evals], [p for _, p in evals], marker="o", color=color, label=f"{label} pass@1")
             if rewards:
                 smooth = moving_average([r for _, r in rewards])
-                ax.plot([s for s, _ in rewards], smooth, linestyle=":", color=line.get_color(),
-                        label=f"{label} reward")
+                ax.plot([s for s, _ in rewards], smooth, linestyle=":", color=color, label=f"{label} reward")
         ax.set_title(panel)
         ax.set_xlabel("step")
         ax.set_ylim(0, 1)
