@@ -627,6 +627,9 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     times; each answer is one row (context = prompt + its thought: its parent is the thought row,
     advantage = answer advantage). How thought and answer rows are weighed against each other is
     update()'s business (see loss_parts and --ma-weighting).
+
+    P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1 are the thoughts (parent -1), rows 2, 3 the
+    answers of thought 0 (parent 0, context = prompt + thought 0); thought 1 has none.
     """
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     P = len(batch)
@@ -635,56 +638,45 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, temperature=cfg.temperature,
                       top_p=cfg.top_p, stop_strings=["</think>"], keep=True)
     closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
-    keep = closed.nonzero().squeeze(1)
-    thoughts = decode(tokenizer, th.completion_ids, th.completion_mask)
+    closed_rows = closed.nonzero().squeeze(1)  # the thoughts that get answers
+    thought_texts = decode(tokenizer, th.completion_ids, th.completion_mask)
+    answer_parent = closed_rows.repeat_interleave(M)  # the thought row each answer continues
+    with timed(metrics, "time/sample"):  # (no rows at all when no thought closed)
+        continued = th.prefix.select(answer_parent.to(th.prefix.last.device))
+        ans = sample(model, tokenizer, continued, cfg.max_answer_tokens, cfg.temperature,
+                     cfg.top_p)
+    with timed(metrics, "time/score"):
+        answers = [batch[k // K]["answer"] for k in answer_parent.tolist()]
+        thought_of = [thought_texts[k] for k in answer_parent.tolist()]
+        answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
+                                                     cfg.reward, thought_of)
     rewards = torch.full((P * K, M), math.nan)  # (P*K, M): unclosed thoughts have no answers
-    answer_rows = keep.repeat_interleave(M)  # the thought row each answer continues
-    # per answer; empty when no thought closed
-    r = torch.zeros(0)
-    answer_lengths = torch.zeros(0)
-    parsed = torch.zeros(0, dtype=torch.bool)
-    tagged = torch.zeros(0, dtype=torch.bool)
-    finished = torch.zeros(0, dtype=torch.bool)
-    if len(keep):
-        with timed(metrics, "time/sample"):
-            continued = th.prefix.select(answer_rows.to(th.prefix.last.device))
-            ans = sample(model, tokenizer, continued, cfg.max_answer_tokens, cfg.temperature,
-                         cfg.top_p)
-        with timed(metrics, "time/score"):
-            answers = [batch[k // K]["answer"] for k in answer_rows.tolist()]
-            prefixes = [thoughts[k] for k in answer_rows.tolist()]
-            r, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                            cfg.reward, prefixes)
-            rewards[keep] = r.view(-1, M)
-        answer_lengths = ans.completion_mask.sum(1).float()
-        finished = ans.finished
+    rewards[closed_rows] = answer_rewards.view(-1, M)
     grid = rewards.view(P, K, M)
     thought_adv, answer_adv = on_global_batch(ma_advantages, grid, cfg.scale_rewards)
     # rows: the P*K thoughts, then the answers of the closed ones, right-padded to one width
-    ids, mask = [th.completion_ids.cpu()], [th.completion_mask.cpu()]
-    advantages = [thought_adv.reshape(-1)]
-    if len(keep):
-        ids.append(ans.completion_ids.cpu())
-        mask.append(ans.completion_mask.cpu())
-        advantages.append(answer_adv.reshape(-1, M)[keep].reshape(-1))
-    C = max(t.shape[1] for t in ids)
-    right = lambda t, value: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
-    ids = torch.cat([right(t, tokenizer.pad_token_id) for t in ids])
-    mask = torch.cat([right(t, 0) for t in mask])
-    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_rows // K])
-    parent = torch.cat([torch.full((P * K,), -1), answer_rows])
+    C = max(th.completion_ids.shape[1], ans.completion_ids.shape[1])
+    right = lambda t, value: torch.nn.functional.pad(t.cpu(), (0, C - t.shape[1]), value=value)
+    ids = torch.cat([right(th.completion_ids, tokenizer.pad_token_id),
+                     right(ans.completion_ids, tokenizer.pad_token_id)])
+    mask = torch.cat([right(th.completion_mask, 0), right(ans.completion_mask, 0)])
+    answer_adv = answer_adv.reshape(-1, M)[closed_rows].reshape(-1)  # the answers that exist
+    advantages = torch.cat([thought_adv.reshape(-1), answer_adv])
+    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
+    parent = torch.cat([torch.full((P * K,), -1), answer_parent])
     values = grid.nanmean(-1).nan_to_num(0.0)  # V(th_k), (P, K)
     # answer metrics are NaN (null in metrics.jsonl) when no thought of the batch closed
-    metrics.update(answer_reward=global_mean(r), answer_length=global_mean(answer_lengths),
-                   truncated=1 - global_mean(finished), unparseable=1 - global_mean(parsed),
+    metrics.update(answer_reward=global_mean(answer_rewards),
+                   answer_length=global_mean(ans.completion_mask.sum(1).float()),
+                   truncated=1 - global_mean(ans.finished), unparseable=1 - global_mean(parsed),
                    format=global_mean(tagged), reward=global_mean(values),
                    reward_std=global_std(values), thought_reward=global_mean(values),
                    frac_reward_zero_std=global_mean(values.amax(1) == values.amin(1)),
                    unclosed_thoughts=1 - global_mean(closed),
                    tokens=all_reduce([mask.sum().item()])[0],
                    thought_length=global_mean(th.completion_mask.sum(1).float()))
-    rows = Rows(prompts, prompt_index, parent, ids, mask, torch.cat(advantages),
-                rewards=torch.cat([values.reshape(-1), r]))
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
+                rewards=torch.cat([values.reshape(-1), answer_rewards]))
     return rows, metrics
 
 
@@ -854,11 +846,12 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         texts = [""] * B  # the text of each row so far, for stop strings
-        longest_stop = max(map(len, stop_strings), default=0)
         rows = torch.arange(B, device=device)  # the rows still being decoded
         cache, mask, token = cache_of(prefix.kv), prefix.mask, prefix.last
         ended_rows, ended_prefixes = [], []
         for t in range(max_new_tokens):
+            if not len(rows):  # every row has ended (or there were none)
+                break
             mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)  # mask may have no columns
             hidden, cache = run_decoder(model, token[:, None], mask, cache)
             token = pick(model.lm_head(hidden[:, -1]).float(), temperature, top_p, greedy)
@@ -866,14 +859,10 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
             lengths[rows] += 1
             ended = torch.isin(token, eos)
             finished[rows[ended]] = True
-            if stop_strings:
-                pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
-                at_eos = ended.tolist()  # one device sync, not one per row
-                for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
-                    texts[row] += piece
-                    window = texts[row][-(len(piece) + longest_stop):]  # where a new match can be
-                    if not at_eos[i] and any(s in window for s in stop_strings):
-                        stopped[row] = ended[i] = True
+            if stop_strings:  # GRPO-MA's thoughts end at </think>
+                hit = stop_string_hits(tokenizer, token, rows, ended, texts, stop_strings)
+                stopped[rows[hit]] = True
+                ended = ended | hit
             if t == max_new_tokens - 1:
                 ended[:] = True
             if not ended.any():
@@ -884,13 +873,26 @@ def sample(model, tokenizer, prefix: Prefix, max_new_tokens: int, temperature=1.
                 ended_prefixes.append(Prefix(kv_of(cache), mask, token).select(ended_index))
             go = ~ended
             rows, mask, token = rows[go], mask[go], token[go]
-            if not len(rows):
-                break
             cache.batch_select_indices(go.nonzero().squeeze(1))  # finished rows leave the batch
-        C = int(lengths.max())
+        C = max(lengths.tolist(), default=0)
         completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
         kept = gather_prefixes(torch.cat(ended_rows), ended_prefixes) if keep else None
         return Samples(ids[:, :C], completion_mask, finished, stopped, kept)
+
+
+def stop_string_hits(tokenizer, token, rows, ended, texts: list[str], stop_strings):
+    """(B,) bool: the rows (not ended at EOS) whose text, with this step's token appended to
+    texts[row], now contains a stop string, even when the token carries more text than the
+    string's end. One device sync for the step, not one per row."""
+    pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
+    at_eos = ended.tolist()
+    longest = max(map(len, stop_strings))
+    hit = []
+    for i, (row, piece) in enumerate(zip(rows.tolist(), pieces)):
+        texts[row] += piece
+        window = texts[row][-(len(piece) + longest):]  # where a new match can be
+        hit.append(not at_eos[i] and any(s in window for s in stop_strings))
+    return torch.tensor(hit, dtype=torch.bool, device=token.device)
 
 
 @contextlib.contextmanager
@@ -1191,10 +1193,7 @@ def train(cfg: Config) -> dict:
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    train_rows = load_jsonl(cfg.data)
-    test_rows = load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
-    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
-        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    train_rows, test_rows = load_data(cfg)
     rank, device = setup_distributed(cfg)
     W, main_rank = world_size(), rank == 0
     checkpoint = prepare_out(cfg)
@@ -1203,8 +1202,9 @@ def train(cfg: Config) -> dict:
     check_lengths(tokenizer, train_rows, cfg, max_positions, phrasings=cfg.variant == "ta")
     check_lengths(tokenizer, test_rows, cfg, max_positions, phrasings=False)
     out = Path(cfg.out)
-    if checkpoint and start == cfg.steps and (out / "summary.json").exists():
-        print(f"grpo.py: the run in {out} finished at step {start}; nothing to do")
+    if checkpoint and start == cfg.steps and (out / "summary.json").exists():  # a requeue
+        if main_rank:
+            print(f"grpo.py: the run in {out} finished at step {start}; nothing to do")
         return json.loads((out / "summary.json").read_text())
     if main_rank and checkpoint is None:
         remove_old_run(out)
@@ -1447,6 +1447,15 @@ def load_jsonl(path) -> list[Row]:
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def load_data(cfg: Config) -> tuple[list[Row], list[Row]]:
+    """The training rows and the held-out rows (the first --eval-limit of them)."""
+    train_rows = load_jsonl(cfg.data)
+    test_rows = load_jsonl(cfg.test_data)[: cfg.eval_limit or None]
+    if cfg.variant == "ta" and not any(row["rephrasings"] for row in train_rows):
+        raise DataError(f"{cfg.data}: --variant ta needs rows with 'rephrasings'; none has any")
+    return train_rows, test_rows
 
 
 def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:

@@ -1927,6 +1927,7 @@ def ddp_metrics_worker(rank, world, port, out):
     result = rollout_and_eval_metrics(rank, world)
     if rank == 0:
         torch.save(result, f"{out}/metrics.pt")
+    torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
 
 
