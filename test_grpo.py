@@ -1469,8 +1469,8 @@ def test_bench_lambda_weights_cost(request, tiny):
     fork = torch.randint(0, T, (B,), generator=g)  # each completion leaves its group's common text at `fork`
     ids = torch.where(torch.arange(T)[None] < fork[:, None], base, torch.randint(4, 60, (B, T), generator=g))
     mask = torch.ones(B, T, dtype=torch.long)
-    ctx, cmask = grpo.left_pad([grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)] * B, tok.pad_token_id)
-    rows = grpo.Rows(ctx, cmask, ids, mask, torch.randn(B))
+    prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)]
+    rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B))
     cfg = grpo.Config(max_new_tokens=T)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     lam, step = [], []
