@@ -9,26 +9,20 @@ grpo.py: GRPO and three recent variants of it, in one file you can read top to b
     python grpo.py --resume ...         # one command starts a run, continues it, or finds it done
 
 The variants differ only in how completions are sampled and how advantages and token weights are
-filled in; the sampler, the log-prob pass and the loss are shared:
+filled in; the sampler, the log-prob pass and the loss are shared. Their objectives (the loss is
+-J), with ρ_t = π(o_t | c, o_<t) / π_old(o_t | c, o_<t), |o| the length of completion o, and
+f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t (k3 KL to a frozen reference):
 
-- grpo    GRPO (DeepSeekMath, arXiv 2402.03300): G completions per prompt; advantage = reward
-          normalised within the group; clipped ratio; optional k3 KL to a frozen reference.
-- ma      GRPO-MA (arXiv 2509.24494): K thoughts per prompt, M answers per thought; a thought's
-          value (the mean reward of its answers) normalised over the K, answers over all K*M.
-- ta      TA-GRPO (arXiv 2601.22478): the question q0 and N rephrasings, G samples each, normalised
-          jointly over the (N+1)*G responses, each trained as an answer to q0.
-- lambda  λ-GRPO (arXiv 2509.21154): each token's loss divided by |λ(i,t)|, the number of
-          completions in the group that share the completion's prefix up to and including it.
-
-The objectives (the loss is -J). With ρ_t = π(o_t | c, o_<t) / π_old(o_t | c, o_<t), |o| the
-length of o, and f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t:
-
-    grpo    J = 1/(P G) Σ_i 1/|o_i| Σ_t f(ρ_it, A_i)     (--loss-type grpo: DeepSeekMath's; the
-            default, dapo, is one token mean over the batch: Σ_i Σ_t f / Σ_i |o_i|)
-    lambda  the same with each f(ρ_it, A_i) multiplied by 1/|λ(i,t)|
-    ma      J = J(thoughts th_k) + J(answers a_kj), each aggregated on its own (--ma-weighting
-            parts), so the thoughts keep half the objective for every M
-    ta      J as grpo over a question's (N+1) G responses, with ρ and ∇ log π taken as π(o | q0)
+  grpo    GRPO (DeepSeekMath, arXiv 2402.03300): G completions o_i per prompt, A_i = r_i normalised
+          within the group; J = 1/(P G) Σ_i 1/|o_i| Σ_t f(ρ_it, A_i) (--loss-type grpo); the
+          default, dapo, is one token mean over the batch: Σ_i Σ_t f / Σ_i |o_i|.
+  lambda  λ-GRPO (arXiv 2509.21154): the same with each f(ρ_it, A_i) divided by |λ(i,t)|, the
+          number of completions of the group that share o_i's prefix up to and including t.
+  ma      GRPO-MA (arXiv 2509.24494): K thoughts th_k per prompt, M answers a_kj per thought; V_k
+          (the mean reward of th_k's answers) normalised over the K, r_kj over all K*M;
+          J = J(thoughts) + J(answers), each aggregated on its own (--ma-weighting parts).
+  ta      TA-GRPO (arXiv 2601.22478): q0 and N rephrasings, G samples each, normalised jointly
+          over the (N+1) G responses; J as grpo, with ρ and ∇ log π taken as π(o | q0).
 
 The default run is on-policy (μ = --num-iterations = 1): each batch makes one step, so π_old = π,
 ρ = 1, nothing is clipped and the gradient is the policy gradient A ∇ log π. `--num-iterations 2`
@@ -48,15 +42,6 @@ One training step (train_step, then update) in pseudocode:
             logps = rows_logps(model, micro)                        # log π(o_t | context, o_<t)
             policy_loss(logps, old_logps or logps.detach(), ...).backward()  # they sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
-
-Rows are what every variant hands to the loss: a completion, its advantage, optional token weights
-and its context, a prompt and, for a GRPO-MA answer, the thought in between:
-
-    variant       rows      context    completion         advantage
-    grpo, lambda  G         p          o_i                r_i normalised over the G
-    ma            K         p          thought th_k       V_k = mean_j r_kj, over the K
-                  K*M       p + th_k   answer a_kj        r_kj normalised over all K*M
-    ta            (N+1)*G   q0         response to q_j    r normalised over all (N+1)*G
 
 Simplified versus the papers: sampling is a short KV-cache loop (no vLLM, no paged attention; one
 process samples and trains, so models up to ~1-3B on one GPU); the reward is exact match after
@@ -113,7 +98,7 @@ class Config:
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
     max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: str = _opt("parts", "(ma) aggregate thoughts and answers apart (see loss_parts)",
+    ma_weighting: str = _opt("parts", "(ma) thoughts and answers aggregated apart (loss_weights)",
                              ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
@@ -148,9 +133,8 @@ class Config:
     device: str = _opt("auto", "auto: cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
     gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
 
-# =============================================================================
+# -----------------------------------------------------------------------------
 # 1. The ideas: one small function per scheme, on plain tensors, then the loss.
-# =============================================================================
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
     """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
@@ -177,8 +161,7 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     return adv.reshape(rewards.shape)
 
 def _nanstd(x):
-    """(groups, 1) unbiased (ddof=1) std of each row of x, NaN entries left out (torch has nanmean
-    but no nanstd)."""
+    """(groups, 1) unbiased std of each row of x, NaN left out (torch has no nanstd)."""
     n = (~x.isnan()).sum(1, keepdim=True)
     return (((x - x.nanmean(1, keepdim=True)) ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
 
@@ -264,7 +247,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     if token_weights is not None:
         loss = loss * token_weights
     if loss_weights is None:
-        loss_weights = aggregation_weights(mask, loss_type, max_completion_length=max_completion_length)
+        loss_weights = aggregation_weights(mask, loss_type,
+                                           max_completion_length=max_completion_length)
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
@@ -291,13 +275,11 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
         return mask / (rows * (max_completion_length or mask.shape[1]))
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
-# =============================================================================
-# 2. The reward: exact match of the final answer, read the way graders read it. Model output is
-#    only ever parsed as text.
-# =============================================================================
+# -----------------------------------------------------------------------------
+# 2. The reward: exact match of the final answer, read as graders read it (model output is text).
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts' digits)
+# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
 RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
 # a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
 DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
@@ -332,9 +314,8 @@ def number_runs(text: str) -> list[str]:
     return RUN_RE.findall(text)
 
 def extract_answer(text: str, reward: str = "tags"):
-    """The answer a completion gives after its thought, or None. tags: the last
-    <answer>...</answer>, else the last \\boxed{...}; last-number: the last number (as GSM8K
-    graders read it, for models that do not write the tags)."""
+    """The answer after the thought, or None: the last <answer>...</answer>, else the last
+    \\boxed{...}; with reward="last-number", the last number (as GSM8K graders read it)."""
     text = after_thought(text)
     if text is None:
         return None
@@ -362,10 +343,9 @@ def parse_number(text: str):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           reward: str = "tags"):
-    """Return (reward, parsed). Reward 1 if the completion finished (EOS) and its answer (see
-    extract_answer) equals the reference (as numbers when the reference is one, else as
-    whitespace-free strings); plus format_reward, if it finished, for exactly one <think>..</think>
-    followed by exactly one <answer>..</answer>. parsed is False when no answer could be read."""
+    """(reward, parsed): 1 if the completion finished (EOS) and its answer equals the reference (as
+    numbers when the reference is one, else as text without whitespace), plus format_reward if it
+    finished with one <think>..</think> then one <answer>..</answer>; parsed: an answer was read."""
     answer = extract_answer(text, reward)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
@@ -379,8 +359,8 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     return float(correct) + format_reward * shaped, parsed
 
 def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", prefixes=None):
-    """Rewards (B,), parsed (B,) and tagged (B,: an <answer>...</answer> after the thought, in
-    either reward mode) of sampled completions; prefixes (a thought's text) are prepended."""
+    """Rewards (B,), parsed (B,) and tagged (B,: <answer> tags after the thought) of sampled
+    completions, each after its prefix (GRPO-MA: the thought's text) if given."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if prefixes is not None:
         texts = [p + t for p, t in zip(prefixes, texts)]
@@ -390,10 +370,8 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", p
     rewards = torch.tensor([r for r, _ in scored])
     return rewards, torch.tensor([p for _, p in scored]), torch.tensor(tagged)
 
-# =============================================================================
-# 3. The sampler. A Prefix is a batch of contexts ready to be continued: each distinct prompt is
-#    encoded once and its KV cache copied to the rows that continue it.
-# =============================================================================
+# -----------------------------------------------------------------------------
+# 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
 
 def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     """A question (with the system prompt) chat-templated into token ids, generation prompt on."""
@@ -403,10 +381,9 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The transformer (Qwen2, Qwen3, Llama: model.model, without the lm_head) over input_ids (B, T)
-    that follow the tokens in `cache` (a DynamicCache, grown in place, or None); attention_mask
-    (B, L + T) covers cached and new tokens, with padding (0) anywhere. Returns the final hidden
-    states (B, T, H) and the cache."""
+    """The decoder (model.model: no lm_head) over input_ids (B, T) after the tokens in `cache` (a
+    DynamicCache, grown in place, or None); attention_mask (B, L + T) covers both, with padding
+    (0) anywhere. Returns the last hidden states (B, T, H) and the cache."""
     from transformers import DynamicCache
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
@@ -460,9 +437,8 @@ def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
     return Prefix(kv, mask[:, :-1], ids[:, -1])
 
 def pick(logits, temperature: float, greedy: bool):
-    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), the
-    distribution the loss's log-probs see (no top-k or top-p: with them, the ratio would not be
-    that of the distribution sampled from)."""
+    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), what
+    the loss's log-probs see (top-k or top-p would make the ratio not that of the draw)."""
     if greedy:
         return logits.argmax(-1)
     return torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
@@ -472,17 +448,16 @@ class Samples:
     completion_ids: torch.Tensor   # (B, C) right-padded with pad
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the token that ended the row
     finished: torch.Tensor         # (B,) ended with EOS
-    stopped: torch.Tensor          # (B,) ended with the token whose text completed a stop string
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
     """n samples for each prompt (token ids), rows in prompt order, one token per forward pass:
     each prompt is prefilled once and its cache copied to its n rows. A row ends at an EOS token
-    (any of eos_ids), at the length limit, or (GRPO-MA's thoughts) at the token whose text
-    completes a stop string; ended rows leave the batch. Only the temperature shapes the draw:
-    nothing of the model's generation config but its EOS ids. Seed torch first to reproduce it.
-    Eval mode (no dropout; HF's gradient checkpointing would drop the cache), restored after."""
+    (any of eos_ids), at the length limit, or at the token whose text completes a stop string
+    (GRPO-MA's thoughts); ended rows leave the batch. Only the temperature shapes the draw, not
+    the model's generation config. In eval mode (no dropout, and HF's gradient checkpointing
+    would drop the cache); seed torch first to reproduce a draw."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -493,7 +468,6 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)
     texts = [""] * B  # each row's text so far, for stop strings
     active = torch.arange(B, device=device)  # the rows still being decoded
     cache, mask, token = prefix.cache(), prefix.mask, prefix.last
@@ -508,16 +482,14 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
         if stop_strings:
-            hit = stop_string_hits(tokenizer, token, active, ended, texts, stop_strings)
-            stopped[active[hit]] = True
-            ended = ended | hit
+            ended = ended | stop_string_hits(tokenizer, token, active, ended, texts, stop_strings)
         go = ~ended
         active, mask, token = active[go], mask[go], token[go]
         cache.batch_select_indices(go.nonzero().squeeze(1))
     model.train(was_training)
     C = max(lengths.tolist(), default=0)
     completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
-    return Samples(ids[:, :C], completion_mask, finished, stopped)
+    return Samples(ids[:, :C], completion_mask, finished)
 
 def stop_string_hits(tokenizer, token, active, ended, texts: list[str], stop_strings):
     """(B,) bool: the rows (not ended at EOS) whose text, with this step's token appended to
@@ -545,22 +517,20 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
             for ids, m in zip(completion_ids, completion_mask)]
 
-# =============================================================================
+# -----------------------------------------------------------------------------
 # 4. Rows and the rollouts: one function per variant samples, scores and fills rows.
-# =============================================================================
 
 @dataclass
 class Rows:
-    """Completions to train on. Each points at its context instead of copying it (the prompt, and
-    for a GRPO-MA answer the thought row in between), so that each shared context is encoded
-    once, in sampling and in the update."""
+    """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
+    the thought row in between) so that a shared context is encoded once."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) the row between prompt and this row (an MA thought), or -1
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
-    token_weights: torch.Tensor | None = None  # (B, C) multiplies the whole per-token loss (λ-GRPO)
+    token_weights: torch.Tensor | None = None  # (B, C) multiplies the per-token loss (λ-GRPO)
     rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
     loss_weights: torch.Tensor | None = None  # (B, C) each token's share of J (set by update)
 
@@ -596,13 +566,12 @@ class Rows:
         prompts = [self.prompts[p] for p in used.tolist()]
         return Rows(prompts, new_prompt[self.prompt_index[index]], parent, **tensors)
 
-# Each rollout takes the model, tokenizer, config, this step's examples and an rng (TA draws its
-# rephrasings with it) and returns (Rows, metrics). From the plumbing (section 7): timed adds a
-# phase's seconds to metrics; global_mean is a mean over all ranks (in one process, the mean).
+# A rollout takes the model, tokenizer, config, this step's examples and an rng (for TA's draws)
+# and returns (Rows, metrics). From section 7: timed adds a block's seconds to metrics;
+# global_mean is the mean over all ranks (in one process, the mean).
 
 def sample_metrics(rewards, group_size, parsed, tagged, samples) -> dict:
-    """Reward, zero-variance, length, truncation, parse and format (the share that wrote the answer
-    tags) metrics of one step's samples."""
+    """The metrics of one step's samples, over all ranks."""
     groups = rewards.reshape(-1, group_size)
     lengths = samples.completion_mask.sum(1).float()
     return {"reward": global_mean(rewards),
@@ -634,14 +603,12 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, each stopped by the token whose text completes </think> (a BPE
-    token can carry more, e.g. '><' of '</think><answer>'), then M answers per thought, sampled
-    from the prompt + the thought's tokens as sampled and stopped at EOS. An answer is scored on the
-    thought's text + its own (only what follows </think> can be the answer). A thought without
-    </think> (length limit or EOS) is *unclosed*: no answers (NaN rewards), value 0, and the
-    thought row is still trained with its (usually negative) advantage. Rows: the P*K thoughts
-    (context: the prompt), then the answers of the closed ones (parent: their thought's row).
-    update() weighs the two kinds (see loss_parts and --ma-weighting).
+    """GRPO-MA: K thoughts per prompt, each ending at the token whose text completes </think> (a BPE
+    token can carry more: '><' of '</think><answer>'), then M answers per thought, sampled after the
+    prompt + the thought's tokens and scored on the thought's text + their own. A thought without
+    </think> (length limit or EOS) is *unclosed*: no answers (NaN rewards), value 0, and its row is
+    still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the answers
+    of the closed ones (parent: their thought's row); loss_weights weighs the two kinds.
 
     P = 1, K = 2, M = 2, thought 1 unclosed: rows 0 and 1 are the thoughts (parent -1), rows 2 and
     3 the answers of thought 0 (parent 0, context: the prompt + thought 0).
@@ -652,12 +619,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                       stop_strings=["</think>"])
         th_ids, th_mask = th.completion_ids.cpu(), th.completion_mask.cpu()
-        closed = th.stopped.cpu()  # (P*K,): the thought's text reached </think>
+        thought_texts = decode(tokenizer, th_ids, th_mask)
+        closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P*K,) bool
         closed_rows = closed.nonzero().squeeze(1).tolist()
         contexts = [prompts[k // K] + th_ids[k][th_mask[k].bool()].tolist() for k in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     answer_parent = torch.tensor(closed_rows, dtype=torch.long).repeat_interleave(M)
-    thought_texts = decode(tokenizer, th_ids, th_mask)
     parents = answer_parent.tolist()
     answers = [batch[k // K]["answer"] for k in parents]
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
@@ -687,14 +654,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """TA-GRPO: for each question q0, up to N of its rephrasings (a fresh random subset each step),
-    G responses to each of the n+1 questions, each scored as it is; advantages normalised jointly
-    over the question's (n+1)*G responses (ragged when n < N).
-
-    With --ta-anchor original (paper v5) every row's context is q0's prompt, so the current, old and
-    reference log-probs are all log π(o | q0): a response to a rephrasing is trained as if it had
-    answered q0. At μ = 1 the ratio is 1 whatever the context; anchoring changes the gradient,
-    ∇ log π(o | q0) instead of ∇ log π(o | q_j). `rephrased` keeps the prompt that produced it."""
+    """TA-GRPO: each question q0 with up to N of its rephrasings (drawn afresh each step), G
+    responses to each, scored as they are, advantages normalised jointly over the question's
+    (n+1)*G responses (ragged when n < N). With --ta-anchor original (paper v5) every row's
+    context is q0's prompt, so all log-probs are log π(o | q0): at μ = 1 the ratio is 1 whatever
+    the context, and anchoring changes the gradient, ∇ log π(o | q0) instead of ∇ log π(o | q_j).
+    `rephrased` keeps the prompt that produced the response (the public code)."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
     questions = []  # per example: q0, then its drawn rephrasings
     for ex in batch:
@@ -717,30 +682,25 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
         first = np.cumsum([0] + [len(qs) for qs in questions])[:-1].tolist()
         prompts, prompt_index = [phrasings[i] for i in first], p_idx
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
-    pooled_constant = []
-    for g in rewards:  # (N+1, G): one question's responses
-        g = g[~g.isnan()]
-        pooled_constant.append((g.amax() == g.amin()).item())
-    metrics.update(sample_metrics(r, G, parsed, tagged, s),
-                   # zero variance as plain GRPO would have met it (q0's G responses), and pooled
+    pooled_constant = [(advantages[p_idx == p] == 0).all() for p in range(len(batch))]
+    metrics.update(sample_metrics(r, G, parsed, tagged, s),  # then zero variance in q0's G alone:
                    frac_reward_zero_std=global_mean(originals.amax(1) == originals.amin(1)),
-                   frac_reward_zero_std_pooled=global_mean(torch.tensor(pooled_constant)),
-                   reward_original=global_mean(originals), reward_rephrased=global_mean(r[j_idx > 0]))
+                   frac_reward_zero_std_pooled=global_mean(torch.stack(pooled_constant)),
+                   reward_original=global_mean(originals),
+                   reward_rephrased=global_mean(r[j_idx > 0]))
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
     return Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
-# =============================================================================
+# -----------------------------------------------------------------------------
 # 5. Log-probs and the update.
-# =============================================================================
 
 def flat_logps(model, rows: Rows, temperature: float, device):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
-    before it, the plain way: every row encodes its whole context and completion in one forward
-    pass, without a KV cache. This is the definition; rows_logps computes the same numbers faster,
-    and this one serves --gradient-checkpointing (HF drops the KV cache under it)."""
+    before it, the plain way: one forward pass per row over context + completion. The definition;
+    rows_logps is the fast way, this one serves --gradient-checkpointing (it drops KV caches)."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     input_ids = torch.cat([context_ids, rows.completion_ids], 1).to(device)
     attention_mask = torch.cat([context_mask, rows.completion_mask], 1).to(device)
@@ -753,10 +713,9 @@ def flat_logps(model, rows: Rows, temperature: float, device):
                        rows.completion_mask.to(device), temperature)
 
 def rows_logps(model, rows: Rows, temperature: float, device):
-    """flat_logps' numbers, each shared context encoded once: the prompts are prefilled, each
-    prompt's cache is copied to the rows that continue it, and a GRPO-MA thought's cache on to its
-    answers. Gradients flow through the copies into the shared encoding, so values and gradients
-    equal flat_logps' with a fraction of the tokens. One prompt, two thoughts, two answers each:
+    """flat_logps' numbers, each shared context encoded once: each prompt's cache is copied to the
+    rows that continue it, a GRPO-MA thought's cache on to its answers, and gradients flow back
+    through the copies, so values and gradients equal flat_logps'. A prompt, 2 thoughts, 2 answers:
 
         level  rows                   input                 cache (a Prefix)      targets
         0      prompt p1 p2 p3        p1 p2                 -                     -
@@ -790,10 +749,9 @@ def rows_logps(model, rows: Rows, temperature: float, device):
     return logps
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
-    """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1 (0 elsewhere):
-    hidden (B, C, H) at t predicts targets[:, t]. At most ~2**25 logits exist at a time, with and
-    without gradients (a chunk's logits are recomputed in the backward pass), so memory does not
-    grow with B * C * vocabulary."""
+    """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1 (else 0), hidden
+    (B, C, H) at t predicting targets[:, t]. At most ~2**25 logits exist at a time (a chunk's are
+    recomputed in the backward pass), so memory does not grow with B * C * vocabulary."""
     keep = mask.bool()
     h, t = hidden[keep], targets[keep]  # (N, H), (N,): only real tokens
     chunk = max(1, 2**25 // lm_head.out_features)
@@ -825,42 +783,44 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     batches.append(current)
     return [rows.select(torch.tensor(sorted(b))) for b in batches]
 
-def loss_parts(cfg: Config, rows: Rows, num_prompts: int) -> list[tuple]:
-    """The parts of a batch aggregated each on its own and then summed, as (which rows (B,) bool,
-    nominal rows in the global batch, longest allowed completion): dr_grpo's constant is the product
-    of the last two, however many rows were made. One part, except GRPO-MA under --ma-weighting
-    parts: the K thoughts and the K*M answers of each prompt, J = J(thoughts) + J(answers), so the
-    thoughts keep their share for every M (pooled, under dapo the thoughts' share would be
-    Lt / (Lt + M La), under grpo 1 / (1 + M))."""
+def loss_weights(cfg: Config, rows: Rows, num_prompts: int):
+    """(B, C) each token's share of J in the global batch of num_prompts prompts. The batch has
+    parts aggregated each on its own and summed: one, except GRPO-MA under --ma-weighting parts,
+    whose K thoughts and K*M answers per prompt make J = J(thoughts) + J(answers), so the thoughts
+    keep their share for every M (pooled, under dapo their share would be Lt / (Lt + M La), under
+    grpo 1 / (1 + M)). dr_grpo divides by the part's nominal rows times its longest allowed
+    completion, however many rows were made."""
     P, G, every = num_prompts, cfg.num_generations, torch.ones(len(rows), dtype=torch.bool)
-    if cfg.variant == "ma":
-        K, M = cfg.num_thoughts, cfg.num_answers
-        if cfg.ma_weighting == "parts":
-            return [(rows.parent < 0, P * K, cfg.max_new_tokens),
-                    (rows.parent >= 0, P * K * M, cfg.max_answer_tokens)]
-        return [(every, P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
+    parts = [(every, P * G, cfg.max_new_tokens)]  # (rows, nominal rows, length limit)
     if cfg.variant == "ta":
-        return [(every, P * (cfg.num_rephrasings + 1) * G, cfg.max_new_tokens)]
-    return [(every, P * G, cfg.max_new_tokens)]
+        parts = [(every, P * (cfg.num_rephrasings + 1) * G, cfg.max_new_tokens)]
+    K, M = cfg.num_thoughts, cfg.num_answers
+    if cfg.variant == "ma" and cfg.ma_weighting == "parts":
+        parts = [(rows.parent < 0, P * K, cfg.max_new_tokens),
+                 (rows.parent >= 0, P * K * M, cfg.max_answer_tokens)]
+    elif cfg.variant == "ma":
+        parts = [(every, P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
+    weights = torch.zeros(rows.completion_mask.shape)
+    for part, nominal_rows, max_len in parts:
+        mask = rows.completion_mask[part]
+        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # over the ranks
+        if cfg.loss_type == "dr_grpo":
+            n_rows = nominal_rows
+        weights[part] = aggregation_weights(mask, cfg.loss_type, n_rows, n_tokens, max_len)
+    return weights
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_prompts: int) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows of num_prompts prompts (all
     ranks). Each token's loss is weighted by its share of J in the global batch, so the losses of
     the micro-batches, and of the ranks (gradients are summed over them), add up to the batch's."""
     metrics = {}
-    rows.loss_weights = torch.zeros(rows.completion_mask.shape)
-    for part, nominal_rows, max_len in loss_parts(cfg, rows, num_prompts):
-        mask = rows.completion_mask[part]
-        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # over the ranks
-        if cfg.loss_type == "dr_grpo":
-            n_rows = nominal_rows
-        rows.loss_weights[part] = aggregation_weights(mask, cfg.loss_type, n_rows, n_tokens,
-                                                      max_len)
+    rows.loss_weights = loss_weights(cfg, rows, num_prompts)
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
     micro = micro_batches(rows, cfg.micro_batch_size)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
     with timed(metrics, "time/update"):
         with torch.no_grad():  # old log-probs only when the batch is reused (μ > 1)
             old, ref = None, None
@@ -871,7 +831,6 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature, device)
-                on = lambda t: None if t is None else t.to(device)
                 loss, loss_metrics = policy_loss(
                     logps, old[j] if old else logps.detach(), on(m.advantages),
                     on(m.completion_mask), ref[j] if ref else None, on(m.token_weights),
@@ -894,9 +853,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
     metrics["grad_norm"] = float(np.mean(grad_norms))
     return metrics
 
-# =============================================================================
+# -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
-# =============================================================================
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int,
                device) -> dict:
@@ -921,9 +879,8 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     return metrics
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
-    """--log-completions: the rows of the batch's first prompt (a GRPO group; GRPO-MA's thoughts,
-    each with its answers; TA's (N+1)*G responses, or q0's G under --ta-anchor rephrased) with
-    reward, advantage and (λ-GRPO) mean 1/|λ|: a line of completions.jsonl and a console table."""
+    """--log-completions: the rows of the batch's first prompt (GRPO-MA: thoughts with their
+    answers) with reward, advantage and (λ-GRPO) mean 1/|λ|, in completions.jsonl and a table."""
     first = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
     texts = decode(tokenizer, rows.completion_ids[first], rows.completion_mask[first])
     entries, completions = {}, []
@@ -950,15 +907,12 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
 
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary (rank 0; None on the others).
-    Checkpoints every --save-every steps and at the end; SIGTERM and Ctrl-C save after the step in
-    progress; --resume continues from the latest checkpoint (see prepare_out)."""
-    examples, test_examples = load_data(cfg)
+    Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it."""
     rank, device = setup_distributed(cfg)
     checkpoint = prepare_out(cfg)
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
+    examples, test_examples = load_data(cfg, tokenizer, model.config.max_position_embeddings)
     start = state["step"] if state else 0
-    check_lengths(tokenizer, examples, cfg, model.config.max_position_embeddings, cfg.variant == "ta")
-    check_lengths(tokenizer, test_examples, cfg, model.config.max_position_embeddings, False)
     out, main_rank = Path(cfg.out), rank == 0
     if checkpoint and start == cfg.steps and (out / "summary.json").exists():  # a requeue
         if main_rank:
@@ -1002,14 +956,13 @@ def train(cfg: Config) -> dict:
     return report(cfg, time.time() - t0) if main_rank else None
 
 def report(cfg: Config, wall_s: float) -> dict:
-    """Print and save the summary from metrics.jsonl: the run's first and last eval (a resumed run
-    included) and the median phase times."""
+    """Print and save the summary: the first and last eval in metrics.jsonl, median phase times."""
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
     evals = [r["eval"] for r in records if "eval" in r]
     steps = [r for r in records if "time/step" in r]
     phases = {}
-    for key in ("time/sample", "time/update", "time/step"):
-        if steps:
+    if steps:
+        for key in ("time/sample", "time/update", "time/step"):
             phases[key[5:]] = float(np.median([r[key] for r in steps]))
     before, after = evals[0], evals[-1]
     summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
@@ -1031,10 +984,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
              max_rows: int = 512) -> dict:
-    """Greedy accuracy; pass@k for k = 1..n from n = --eval-samples samples per question at the
-    training temperature (pass@1 is their mean accuracy); the share of samples that wrote the answer
-    tags. Questions go in chunks of at most max_rows samples; chunk c is seeded with seed + c and
-    sampled by rank c % W, so W ranks get exactly what one process gets, about W times faster."""
+    """Greedy accuracy, pass@k (k = 1..n) from n = --eval-samples samples per question at the
+    training temperature, and the share of samples with answer tags. Chunks of at most max_rows
+    samples; chunk c is seeded with seed + c and sampled by rank c % W: what one process gets."""
     n = cfg.eval_samples
     rank, W = rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
@@ -1062,10 +1014,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
         result[f"pass@{k}"] = totals[1 + k] / len(examples)
     return result
 
-# =============================================================================
-# 7. Plumbing: a first read can stop here. Flags, data files, model loading, checkpoints and
-#    resume, signals, data-parallel helpers, timing.
-# =============================================================================
+# -----------------------------------------------------------------------------
+# 7. Plumbing (a first read can stop here): flags, data, models, checkpoints, signals, ranks.
 
 class UserError(Exception):
     """A bad flag, data line, file or step: main() prints it as one line, without a traceback."""
@@ -1080,8 +1030,7 @@ LOWEST = {"num_generations": 2, "num_thoughts": 2, "prompts_per_step": 1, "num_a
           "micro_batch_size": 1, "eval_samples": 1}
 
 def parse_args(argv=None) -> Config:
-    """Flags from the Config fields, checked; local paths made absolute (a requeue from another
-    folder then names the same files)."""
+    """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, description="GRPO and variants in one file.")
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
@@ -1103,16 +1052,18 @@ def parse_args(argv=None) -> Config:
 
 def is_text(value) -> bool:
     """A non-empty string that UTF-8 can write (a lone surrogate such as "\\ud800" cannot)."""
-    return isinstance(value, str) and value.strip() != "" and not re.search("[\ud800-\udfff]", value)
+    if not isinstance(value, str):
+        return False
+    return value.strip() != "" and re.search("[\ud800-\udfff]", value) is None
 
 def parse_example(line: bytes) -> dict:
-    """One JSONL line -> {"question": str, "answer": str, "rephrasings": [str, ...] (optional)},
-    or a ValueError that says what is wrong (bad UTF-8 and bad JSON raise their own)."""
+    """A JSONL line -> {"question": str, "answer": str, "rephrasings": [str] (optional)}, or a
+    ValueError saying what is wrong (bad UTF-8 and bad JSON raise their own)."""
     example = json.loads(line.decode("utf-8"), parse_float=Decimal, parse_int=Decimal)
     if not isinstance(example, dict):
         raise ValueError("expected a JSON object with 'question' and 'answer'")
     answer = example.get("answer")
-    if isinstance(answer, Decimal):  # a number: written out exactly, as the grader reads it
+    if isinstance(answer, Decimal):  # a number, written out exactly (1e20 and 0.50 as such)
         if abs(answer.adjusted()) > MAX_NUMBER_CHARS or parse_number(format(answer, "f")) is None:
             raise ValueError("field 'answer' is a number too long to score")
         example["answer"] = format(answer, "f")
@@ -1125,8 +1076,7 @@ def parse_example(line: bytes) -> dict:
     return example
 
 def load_jsonl(path) -> list[dict]:
-    """The examples of a data file, each with its 'where' (file:line) for later errors; a bad line
-    stops with 'file:line: reason'."""
+    """A data file's examples, each with its 'where' (file:line); a bad line stops the run."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such data file")
@@ -1144,24 +1094,22 @@ def load_jsonl(path) -> list[dict]:
         raise UserError(f"{path}: no examples")
     return examples
 
-def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """The training examples and the held-out ones (the first --eval-limit of them)."""
+def load_data(cfg: Config, tokenizer, max_positions: int) -> tuple[list[dict], list[dict]]:
+    """The training examples and the held-out ones (the first --eval-limit), checked: TA needs
+    rephrasings, and a prompt and its completion budget may not run past the model's positions."""
     examples = load_jsonl(cfg.data)
+    test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
     if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
         raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
-    return examples, load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
-
-def check_lengths(tokenizer, examples, cfg: Config, max_positions: int, phrasings: bool):
-    """Stop before training when a prompt and its completion budget (ma: thought + answer) run past
-    the model's positions; phrasings=True checks the rephrasings too."""
     budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    for ex in examples:
-        for question in [ex["question"]] + (ex["rephrasings"] if phrasings else []):
+    for ex in examples + test_examples:
+        for question in [ex["question"]] + ex["rephrasings"]:
             n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
             if n + budget > max_positions:
                 raise UserError(f"{ex['where']}: a prompt of {n} tokens + {budget} new tokens "
                                 f"exceeds the model's {max_positions} positions; shorten the "
                                 f"question or lower --max-new-tokens")
+    return examples, test_examples
 
 def pick_device(name: str) -> torch.device:
     """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
@@ -1228,14 +1176,13 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len("checkpoint-"):]))
 
 def run_files(out: Path) -> list[Path]:
-    """What a run leaves in its folder: checkpoints (and a save that died half-way), logs, summary."""
+    """What a run leaves in its folder: checkpoints (and a save that died), logs, summary."""
     names = [out / name for name in LOGS + ("summary.json",)]
     return list(out.glob("checkpoint-*")) + [path for path in names if path.exists()]
 
 def prepare_out(cfg: Config) -> Path | None:
-    """The checkpoint to continue from, or None for a fresh run. A folder that holds a run is only
-    continued (--resume) or replaced (--overwrite), never silently reused; --resume without a
-    checkpoint (a first launch, or a kill before the first save) starts the run."""
+    """The checkpoint to continue from, or None to start. A folder holding a run is continued
+    (--resume) or replaced (--overwrite), never reused; --resume without a checkpoint starts."""
     out = Path(cfg.out)
     if out.is_file():
         raise UserError(f"--out {out}: is a file, not a folder")
@@ -1252,8 +1199,7 @@ def prepare_out(cfg: Config) -> Path | None:
     return None
 
 def load_state(checkpoint: Path, cfg: Config) -> dict:
-    """A checkpoint's state.pt (weights_only: a run folder from elsewhere cannot run code), once
-    the flags are checked to keep the run's meaning."""
+    """A checkpoint's state.pt (weights_only: no code runs), if the flags keep the run's meaning."""
     path = checkpoint / "state.pt"
     try:
         state = torch.load(path, weights_only=True)
@@ -1273,9 +1219,9 @@ def load_state(checkpoint: Path, cfg: Config) -> dict:
     return state
 
 def open_logs(out: Path, state: dict | None):
-    """metrics.jsonl, to append to. A fresh run first removes an old run's files (only now, once
-    the model and data passed their checks); a resumed one cuts the logs back to their size at the
-    checkpoint, so the steps it redoes (and a line cut short by a kill) are not there twice."""
+    """metrics.jsonl to append to. A fresh run first removes an old run's files (now that its own
+    checks passed); a resumed one cuts the logs to their size at the checkpoint: what it redoes
+    (and a line cut short by a kill) is not there twice."""
     if state is None:
         for path in run_files(out):
             if path.is_dir():
@@ -1289,9 +1235,8 @@ def open_logs(out: Path, state: dict | None):
     return open(out / "metrics.jsonl", "a")
 
 def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int, cfg: Config):
-    """out/checkpoint-<step>: the model and tokenizer, and in state.pt the optimizer, schedule,
-    step, config and the logs' sizes. Written to a temporary folder renamed when complete, so a
-    save that dies half-way leaves the previous checkpoint; then the older ones go."""
+    """out/checkpoint-<step>: model, tokenizer, and state.pt (optimizer, schedule, step, config,
+    the logs' sizes), renamed from a temporary folder when complete; then older ones go."""
     final = out / f"checkpoint-{step}"
     if not final.is_dir():
         tmp = out / f"checkpoint-{step}.tmp"
@@ -1308,9 +1253,8 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scheduler, step: int
 
 @contextlib.contextmanager
 def signals_caught():
-    """SIGTERM (what Slurm and Kubernetes send before they stop a job) and Ctrl-C ask the run to
-    stop once the step in progress is done and saved: yields the list of signals caught. A second
-    one acts as it did before (Ctrl-C twice stops at once), as do all after the block."""
+    """SIGTERM (Slurm's and Kubernetes' stop) and Ctrl-C ask the run to stop after the step in
+    progress: yields the signals caught. A second one acts as before (Ctrl-C twice stops now)."""
     caught, previous = [], {}
 
     def catch(signum, frame):
@@ -1370,14 +1314,12 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 def global_mean(x: torch.Tensor) -> float:
-    """The mean of x over all ranks from summed sums and counts (NaN if empty), as one process
-    holding the whole batch would compute it, also when ranks hold different numbers of rows."""
+    """The mean of x over all ranks (NaN if empty), also when ranks hold different numbers."""
     total, count = all_reduce([x.double().sum().item(), x.numel()])
     return total / count if count else math.nan
 
 def sum_gradients(model):
-    """Sum the gradients over the ranks: the loss weights are shares of the global batch, so the sum
-    is the global gradient (DDP would average them, overlapped with the backward pass)."""
+    """Sum the gradients over the ranks: the loss weights are shares of the global batch."""
     if not torch.distributed.is_initialized():
         return
     for p in model.parameters():

@@ -208,7 +208,7 @@ def test_score_batch_reports_who_wrote_the_tags(tiny):
     width = max(map(len, ids))
     samples = grpo.Samples(torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids]),
                            torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
-                           torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool))
+                           torch.ones(4, dtype=torch.bool))
     for reward, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
         rewards, parsed, tagged = grpo.score_batch(tok, samples, ["8"] * 4, reward=reward)
         assert rewards.tolist() == expected
@@ -319,7 +319,7 @@ def test_sampler_masks_up_to_and_including_eos_even_when_pad_is_eos(tiny):
     s = grpo.generate(model, tok, prompts, 2, 32)
     n, m = (len(tok(t, add_special_tokens=False).input_ids) for t in ("<answer>46</answer>", "<answer>2"))
     assert s.completion_mask.sum(1).tolist() == [n + 1, n + 1, m + 1, m + 1, 32, 32]  # EOS included; truncated: none
-    assert s.finished.tolist() == [True, True, True, True, False, False] and not s.stopped.any()
+    assert s.finished.tolist() == [True, True, True, True, False, False]
     assert s.completion_ids[0, n].item() == tok.eos_token_id and s.completion_ids[2, m + 1:].eq(tok.pad_token_id).all()
 
 
@@ -332,7 +332,7 @@ def test_sampler_stops_at_the_token_that_completes_a_stop_string(tiny):
     lengths = [len(tok(t, add_special_tokens=False).input_ids) for t in ["<think>1+2=3</think>", "<think>1+</think>",
                                                                         "<think>12"]]
     assert s.completion_mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the last: its EOS
-    assert s.stopped.tolist() == [True, True, False] and s.finished.tolist() == [False, False, True]
+    assert s.finished.tolist() == [False, False, True]
 
 
 def test_greedy_sampling_equals_hf_generate(tiny, qwen):
@@ -594,11 +594,12 @@ def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
     assert ma_loss(tiny, rows, 2, ma_weighting="tokens", loss_type="dr_grpo")[0] == pytest.approx(-10 / 24)
     # parts: thoughts (2*3) / (P*K * 4) + answers (2*2) / (P*K*M * 4)
     assert ma_loss(tiny, rows, 2, ma_weighting="parts", loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
-    ta = grpo.Config(variant="ta", num_rephrasings=3, num_generations=4, max_new_tokens=7)
-    ((_, nominal, limit),) = grpo.loss_parts(ta, rows, 2)
-    assert (nominal, limit) == (32, 7)  # P * (N+1) * G rows, however many rephrasings were drawn
-    ((_, nominal, limit),) = grpo.loss_parts(grpo.Config(num_generations=4, max_new_tokens=7), rows, 2)
-    assert (nominal, limit) == (8, 7)
+    mask = rows.completion_mask.float()
+    ta = grpo.Config(variant="ta", num_rephrasings=3, num_generations=4, max_new_tokens=7, loss_type="dr_grpo")
+    # P * (N+1) * G = 32 nominal rows, however many rephrasings were drawn, times the limit 7
+    assert torch.allclose(grpo.loss_weights(ta, rows, 2), mask / (32 * 7))
+    plain = grpo.Config(num_generations=4, max_new_tokens=7, loss_type="dr_grpo")
+    assert torch.allclose(grpo.loss_weights(plain, rows, 2), mask / (8 * 7))
 
 
 def test_sampler_takes_prompts_of_one_token(tiny):
@@ -1612,7 +1613,7 @@ def test_real_stop_string_ends_mid_token(qwen25_scripted):
     tok, model = qwen25_scripted
     prompts = [grpo.prompt_ids(tok, q, "") for q in QWEN25_THOUGHTS]
     s = grpo.generate(model, tok, prompts, 2, 30, stop_strings=["</think>"])
-    assert s.stopped.all() and not s.finished.any()
+    assert not s.finished.any()
     for i in range(4):
         thought, _, last = list(QWEN25_THOUGHTS.values())[i // 2]
         kept = s.completion_ids[i][s.completion_mask[i].bool()].tolist()
