@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                      # GRPO on the tiny model in data/tiny (CPU, offline, ~30 s)
+    python grpo.py                      # GRPO on the tiny model in data/tiny (CPU, offline, ~25 s)
     python grpo.py --variant lambda     # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
         --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
@@ -11,11 +11,12 @@ grpo.py: GRPO and three recent variants of it, in one file you can read top to b
 The variants differ only in how completions are sampled and how advantages and token weights are
 filled in; the sampler, the log-prob pass and the loss are shared. Their objectives (the loss is
 -J), with ρ_t = π(o_t | c, o_<t) / π_old(o_t | c, o_<t), |o| the length of completion o, and
-f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t (k3 KL to a frozen reference):
+f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t (Schulman's k3 estimator of the KL to a frozen
+reference, exp(ref - logp) - (ref - logp) - 1):
 
   grpo    GRPO (DeepSeekMath, arXiv 2402.03300): G completions o_i per prompt, A_i = r_i normalised
           within the group; J = 1/(P G) Σ_i 1/|o_i| Σ_t f(ρ_it, A_i) (--loss-type grpo); the
-          default, dapo, is one token mean over the batch: Σ_i Σ_t f / Σ_i |o_i|.
+          default, dapo (arXiv 2503.14476), is one token mean over the batch: Σ_i Σ_t f / Σ_i |o_i|.
   lambda  λ-GRPO (arXiv 2509.21154): the same with each f(ρ_it, A_i) divided by |λ(i,t)|, the
           number of completions of the group that share o_i's prefix up to and including t.
   ma      GRPO-MA (arXiv 2509.24494): K thoughts th_k per prompt, M answers a_kj per thought; V_k
@@ -35,7 +36,7 @@ One training step (train_step, then update) in pseudocode:
         completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
         rewards = score_batch(tokenizer, completions, answers)      # 1 if the answer is right
         advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
-    rows.loss_weights = aggregation_weights(...)                    # each token's share of J
+    rows.loss_weights = global_loss_weights(cfg, rows, P)           # each token's share of J
     old_logps = rows_logps(model, rows) if μ > 1                    # (and ref_logps if β > 0)
     repeat μ times:
         for micro in micro_batches(rows):
@@ -98,7 +99,7 @@ class Config:
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
     max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: str = _opt("parts", "(ma) thoughts and answers aggregated apart (loss_weights)",
+    ma_weighting: str = _opt("parts", "(ma) thoughts and answers aggregated apart, or pooled",
                              ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
@@ -161,7 +162,8 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     return adv.reshape(rewards.shape)
 
 def _nanstd(x):
-    """(groups, 1) unbiased std of each row of x, NaN left out (torch has no nanstd)."""
+    """(groups, 1) unbiased std of each row of x, NaN left out (torch has no nanstd). A row with one
+    number gets NaN (0/0); group_advantages then gives it 0, as a constant group."""
     n = (~x.isnan()).sum(1, keepdim=True)
     return (((x - x.nanmean(1, keepdim=True)) ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
 
@@ -202,7 +204,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     i's and are all unmasked; it counts i itself and exact duplicates. Tokens of a shared prefix are
     then trained once per prefix instead of once per completion. Rows form groups of `group_size`
     consecutive rows. Exact and loop-free: compare every pair of rows of a group token by token; a
-    running product turns "equal at t" into "equal up to t". It takes B * group_size * T bytes.
+    running product turns "equal at t" into "equal up to t". It takes ~2 B * group_size * T bytes;
+    a group's rows must be consecutive.
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
@@ -229,7 +232,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     advantages: (B,), or (B, T) per token (a process reward of your own, say). token_weights (B, T)
     multiply the whole per-token loss, policy and KL, and leave the normaliser alone (λ-GRPO).
     The loss is Σ loss_weights * per-token loss: by default aggregation_weights of this batch, as
-    TRL aggregates it; update() passes each token's share of the whole batch instead.
+    TRL aggregates it; update() passes each token's share of the whole batch instead (then
+    loss_type and max_completion_length are not used).
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -257,10 +261,10 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
     """(B, T) weight of each token's loss in the batch loss, TRL's aggregations: grpo, the mean over
-    rows of each row's token mean (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo,
-    the token sum over rows * max_completion_length. num_rows and num_tokens default to this
-    batch's; pass the whole batch's (all micro-batches and ranks; for dr_grpo the nominal rows) to
-    weigh a piece of it, so the pieces' losses add up to the batch's loss.
+    rows of each row's token mean (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo
+    (arXiv 2503.20783), 1 / (rows * max_completion_length), the padded width if that is None: pass
+    it. num_rows and num_tokens default to this batch's; pass the whole batch's (all micro-batches
+    and ranks; for dr_grpo the nominal rows) to weigh a piece of it: the pieces then add up.
 
     Rows of 2 and 4 tokens: grpo [1/4, 1/4], [1/8] * 4; dapo 1/6 each; dr_grpo (limit 8) 1/16 each.
     """
@@ -358,12 +362,13 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     shaped = finished and FORMAT_RE.fullmatch(text) is not None
     return float(correct) + format_reward * shaped, parsed
 
-def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", prefixes=None):
-    """Rewards (B,), parsed (B,) and tagged (B,: <answer> tags after the thought) of sampled
-    completions, each after its prefix (GRPO-MA: the thought's text) if given."""
+def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", thought_texts=None):
+    """Rewards (B,), parsed (B,) and tagged (B,: <answer> tags after the thought) of the completions
+    in samples (a Samples, from generate in section 3; decode is there too), each after its
+    thought's text if given (GRPO-MA's answers)."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
-    if prefixes is not None:
-        texts = [p + t for p, t in zip(prefixes, texts)]
+    if thought_texts is not None:
+        texts = [thought + text for thought, text in zip(thought_texts, texts)]
     finished = samples.finished.tolist()
     scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
     tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
@@ -388,6 +393,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     cache = DynamicCache() if cache is None else cache
+    # cache= is what transformers >= 5.24 calls past_key_values (older ones would ignore it)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, use_cache=True, cache=cache)
     return out.last_hidden_state, cache
@@ -566,9 +572,10 @@ class Rows:
         prompts = [self.prompts[p] for p in used.tolist()]
         return Rows(prompts, new_prompt[self.prompt_index[index]], parent, **tensors)
 
-# A rollout takes the model, tokenizer, config, this step's examples and an rng (for TA's draws)
-# and returns (Rows, metrics). From section 7: timed adds a block's seconds to metrics;
-# global_mean is the mean over all ranks (in one process, the mean).
+# A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
+# and returns (Rows, metrics). Helpers from section 7, the plumbing: timed adds a block's seconds to
+# metrics; global_mean and all_reduce average and sum over the ranks (in one process: the plain
+# mean and the numbers themselves); rank_and_world, sum_gradients, UserError and finite.
 
 def sample_metrics(rewards, group_size, parsed, tagged, samples) -> dict:
     """The metrics of one step's samples, over all ranks."""
@@ -608,12 +615,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     prompt + the thought's tokens and scored on the thought's text + their own. A thought without
     </think> (length limit or EOS) is *unclosed*: no answers (NaN rewards), value 0, and its row is
     still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the answers
-    of the closed ones (parent: their thought's row); loss_weights weighs the two kinds.
+    of the closed ones (parent: their thought's row); global_loss_weights weighs the two kinds.
 
     P = 1, K = 2, M = 2, thought 1 unclosed: rows 0 and 1 are the thoughts (parent -1), rows 2 and
     3 the answers of thought 0 (parent 0, context: the prompt + thought 0).
     """
-    K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}
+    K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
@@ -634,10 +641,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     thought_adv, answer_adv = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
     values = rewards.nanmean(-1).nan_to_num(0.0).view(P, K)  # V(th_k), as in ma_advantages
     C = max(th_ids.shape[1], ans.completion_ids.shape[1])  # one width for both kinds of rows
-    right = lambda t, value: torch.nn.functional.pad(t.cpu(), (0, C - t.shape[1]), value=value)
-    ids = torch.cat([right(th_ids, tokenizer.pad_token_id),
-                     right(ans.completion_ids, tokenizer.pad_token_id)])
-    mask = torch.cat([right(th_mask, 0), right(ans.completion_mask, 0)])
+
+    def pad_right(t, value):
+        return torch.nn.functional.pad(t.cpu(), (0, C - t.shape[1]), value=value)
+    ids = torch.cat([pad_right(th_ids, tokenizer.pad_token_id),
+                     pad_right(ans.completion_ids, tokenizer.pad_token_id)])
+    mask = torch.cat([pad_right(th_mask, 0), pad_right(ans.completion_mask, 0)])
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
     prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
     parent = torch.cat([torch.full((P * K,), -1), answer_parent])
@@ -668,24 +677,29 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     # one row per (question p, phrasing j, sample g), in that order
     slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
     p_idx, j_idx, g_idx = torch.tensor(slots).T
-    phrasings = [prompt_ids(tokenizer, q, cfg.system_prompt) for qs in questions for q in qs]
+    phrasings, first = [], []  # every phrasing's prompt; where each question's q0 is among them
+    for qs in questions:
+        first.append(len(phrasings))
+        phrasings += [prompt_ids(tokenizer, q, cfg.system_prompt) for q in qs]
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     answers = [batch[p]["answer"] for p in p_idx.tolist()]
     r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
-    rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G); NaN: no such phrasing
+    rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P here, N+1, G); NaN: no phrasing
     rewards[p_idx, j_idx, g_idx] = r
     advantages = ta_advantages(rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
-    else:  # q0 of each question: the first of its phrasings
-        first = np.cumsum([0] + [len(qs) for qs in questions])[:-1].tolist()
+    else:
         prompts, prompt_index = [phrasings[i] for i in first], p_idx
     originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
-    pooled_constant = [(advantages[p_idx == p] == 0).all() for p in range(len(batch))]
-    metrics.update(sample_metrics(r, G, parsed, tagged, s),  # then zero variance in q0's G alone:
-                   frac_reward_zero_std=global_mean(originals.amax(1) == originals.amin(1)),
-                   frac_reward_zero_std_pooled=global_mean(torch.stack(pooled_constant)),
+    pooled = rewards.view(len(batch), -1)  # (P, (N+1)*G), NaN where a phrasing is missing
+    high = torch.where(pooled.isnan(), -math.inf, pooled).amax(1)
+    low = torch.where(pooled.isnan(), math.inf, pooled).amin(1)
+    metrics.update(sample_metrics(r, G, parsed, tagged, s))
+    # zero variance as plain GRPO would meet it (q0's own G responses), then pooled
+    metrics.update(frac_reward_zero_std=global_mean(originals.amax(1) == originals.amin(1)),
+                   frac_reward_zero_std_pooled=global_mean(high == low),
                    reward_original=global_mean(originals),
                    reward_rephrased=global_mean(r[j_idx > 0]))
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
@@ -723,29 +737,32 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
 
     At each level the cache holds every context token but the last, which is the first input: the
-    one-token shift. Padding holes in a cache are masked, and positions count real tokens only."""
+    one-token shift. Padding holes in a cache are masked, and positions count real tokens only.
+    Only GRPO-MA has a second level."""
     B, C = rows.completion_ids.shape
     ids, cmask = rows.completion_ids.to(device), rows.completion_mask.to(device)
     parent = rows.parent.to(device)
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
     level = parent < 0  # the rows that continue a prompt directly, then their children
-    source = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
+    context_row = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
     while level.any():
         idx = level.nonzero().squeeze(1)
-        p = prefix.select(source[idx])
+        ctx = prefix.select(context_row[idx])
         n = int(cmask[idx].sum(1).max())
         target, target_mask = ids[idx, :n], cmask[idx, :n]
-        x = torch.cat([p.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-        m = torch.cat([p.mask, target_mask], 1)  # x[:, t] is real where target t is
-        hidden, cache = run_decoder(model, x, m, p.cache())
+        x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
+        # x[:, t] is real where target t is: the cache then holds all but each row's last token,
+        # which is the children's first input (their Prefix.last)
+        m = torch.cat([ctx.mask, target_mask], 1)
+        hidden, cache = run_decoder(model, x, m, ctx.cache())
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
         last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
-        prefix = Prefix(kv_of(cache), m, last)  # the children's context
+        prefix = Prefix(kv_of(cache), m, last)  # the children's contexts, one per row of idx
         position = torch.full((B,), -1, dtype=torch.long, device=device)
-        position[idx] = torch.arange(len(idx), device=device)
+        position[idx] = torch.arange(len(idx), device=device)  # row -> its row in the new prefix
         level = torch.isin(parent, idx)
-        source = position[parent.clamp(min=0)]
+        context_row = position[parent.clamp(min=0)]
     return logps
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
@@ -781,9 +798,9 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
             current = []
         current = current + unit
     batches.append(current)
-    return [rows.select(torch.tensor(sorted(b))) for b in batches]
+    return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
-def loss_weights(cfg: Config, rows: Rows, num_prompts: int):
+def global_loss_weights(cfg: Config, rows: Rows, num_prompts: int):
     """(B, C) each token's share of J in the global batch of num_prompts prompts. The batch has
     parts aggregated each on its own and summed: one, except GRPO-MA under --ma-weighting parts,
     whose K thoughts and K*M answers per prompt make J = J(thoughts) + J(answers), so the thoughts
@@ -812,15 +829,19 @@ def loss_weights(cfg: Config, rows: Rows, num_prompts: int):
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_prompts: int) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows of num_prompts prompts (all
     ranks). Each token's loss is weighted by its share of J in the global batch, so the losses of
-    the micro-batches, and of the ranks (gradients are summed over them), add up to the batch's."""
+    the micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
+    The model is in train mode here and in eval mode when sampling: the same policy only without
+    dropout, which these models do not use in fine-tuning."""
     metrics = {}
-    rows.loss_weights = loss_weights(cfg, rows, num_prompts)
+    rows.loss_weights = global_loss_weights(cfg, rows, num_prompts)
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
     micro = micro_batches(rows, cfg.micro_batch_size)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
-    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+
+    def to_device(t):
+        return None if t is None else t.to(device)
     with timed(metrics, "time/update"):
         with torch.no_grad():  # old log-probs only when the batch is reused (μ > 1)
             old, ref = None, None
@@ -832,10 +853,10 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature, device)
                 loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), on(m.advantages),
-                    on(m.completion_mask), ref[j] if ref else None, on(m.token_weights),
-                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                    loss_weights=on(m.loss_weights))
+                    logps, old[j] if old else logps.detach(), to_device(m.advantages),
+                    to_device(m.completion_mask), ref[j] if ref else None,
+                    to_device(m.token_weights), beta=cfg.beta, epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high, loss_weights=to_device(m.loss_weights))
                 loss.backward()
                 share = m.completion_mask.sum().item() / max(all_tokens, 1)  # kl, clips: per token
                 totals["loss"] += loss.item() / cfg.num_iterations
@@ -858,7 +879,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int,
                device) -> dict:
-    """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics."""
+    """One step: draw P prompts (afresh each step, from (seed, step): no epochs), sample and score
+    this rank's share, update. Returns the metrics."""
     t_step = time.perf_counter()
     rank, W = rank_and_world()
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
@@ -986,7 +1008,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
              max_rows: int = 512) -> dict:
     """Greedy accuracy, pass@k (k = 1..n) from n = --eval-samples samples per question at the
     training temperature, and the share of samples with answer tags. Chunks of at most max_rows
-    samples; chunk c is seeded with seed + c and sampled by rank c % W: what one process gets."""
+    samples; chunk c is seeded with seed + c and sampled by rank c % W: what one process gets.
+    GRPO-MA's eval samples one plain completion of both limits, not thoughts and answers."""
     n = cfg.eval_samples
     rank, W = rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
@@ -1103,7 +1126,7 @@ def load_data(cfg: Config, tokenizer, max_positions: int) -> tuple[list[dict], l
         raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
     budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     for ex in examples + test_examples:
-        for question in [ex["question"]] + ex["rephrasings"]:
+        for question in [ex["question"]] + (ex["rephrasings"] if cfg.variant == "ta" else []):
             n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
             if n + budget > max_positions:
                 raise UserError(f"{ex['where']}: a prompt of {n} tokens + {budget} new tokens "
