@@ -99,15 +99,13 @@ class Config:
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
     max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: str = _opt("parts", "(ma) thoughts and answers aggregated apart, or pooled",
-                             ["parts", "tokens"])
+    ma_weighting: str = _opt("parts", "(ma) parts: thoughts, answers apart", ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
                           "rephrasing (public code)", ["original", "rephrased"])
     # loss and optimisation
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
-    scale_rewards: str = _opt("group", "divide advantages by the group's std, or not (Dr. GRPO)",
-                              ["group", "none"])
+    scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
     beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
     epsilon: float = _opt(0.2, "lower clip range of the ratio")
     epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
@@ -616,10 +614,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     </think> (length limit or EOS) is *unclosed*: no answers (NaN rewards), value 0, and its row is
     still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the answers
     of the closed ones (parent: their thought's row); global_loss_weights weighs the two kinds.
-
     P = 1, K = 2, M = 2, thought 1 unclosed: rows 0 and 1 are the thoughts (parent -1), rows 2 and
-    3 the answers of thought 0 (parent 0, context: the prompt + thought 0).
-    """
+    3 the answers of thought 0 (parent 0, context: the prompt + thought 0)."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
@@ -929,7 +925,8 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
 
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary (rank 0; None on the others).
-    Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it."""
+    Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it
+    (after the step in progress and its eval). Setup, loading and saving are in section 7."""
     rank, device = setup_distributed(cfg)
     checkpoint = prepare_out(cfg)
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
