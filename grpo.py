@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                      # GRPO on the tiny model in data/tiny (CPU, offline, ~25 s)
+    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~25 s)
     python grpo.py --variant lambda     # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
         --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
@@ -23,7 +23,7 @@ reference, exp(ref - logp) - (ref - logp) - 1):
           (the mean reward of th_k's answers) normalised over the K, r_kj over all K*M;
           J = J(thoughts) + J(answers), each aggregated on its own (--ma-weighting parts).
   ta      TA-GRPO (arXiv 2601.22478): q0 and N rephrasings, G samples each, normalised jointly
-          over the (N+1) G responses; J as grpo, with ρ and ∇ log π taken as π(o | q0).
+          over the (N+1) G responses; J as for grpo, with ρ and ∇ log π taken as π(o | q0).
 
 The default run is on-policy (μ = --num-iterations = 1): each batch makes one step, so π_old = π,
 ρ = 1, nothing is clipped and the gradient is the policy gradient A ∇ log π. `--num-iterations 2`
@@ -34,15 +34,20 @@ One training step (train_step, then update) in pseudocode:
     batch = P prompts drawn from (seed, step)
     rows, metrics = ROLLOUTS[variant](model, tokenizer, cfg, batch, rng), e.g. rollout_grpo:
         completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
-        rewards = score_batch(tokenizer, completions, answers)      # 1 if the answer is right
+        rewards = score_batch(tokenizer, completions, answers)      # 1: EOS and the right answer
         advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
     rows.loss_weights = global_loss_weights(cfg, rows, P)           # each token's share of J
-    old_logps = rows_logps(model, rows) if μ > 1                    # (and ref_logps if β > 0)
+    micro = micro_batches(rows, size)                               # a thought with its answers
+    old_logps = [rows_logps(model, m, T, device) for m in micro] if μ > 1   # (ref_logps if β > 0)
     repeat μ times:
-        for micro in micro_batches(rows):
-            logps = rows_logps(model, micro)                        # log π(o_t | context, o_<t)
-            policy_loss(logps, old_logps or logps.detach(), ...).backward()  # they sum to -J
+        for m in micro:
+            logps = rows_logps(model, m, T, device)                 # log π(o_t | context, o_<t)
+            loss, _ = policy_loss(logps, old_logps or logps.detach(), ..., m.loss_weights)
+            loss.backward()                                         # the losses sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
+
+To add a variant: a rollout that fills Rows (section 4), an entry in ROLLOUTS, its nominal batch
+size in global_loss_weights, and a --variant choice in Config.
 
 Simplified versus the papers: sampling is a short KV-cache loop (no vLLM, no paged attention; one
 process samples and trains, so models up to ~1-3B on one GPU); the reward is exact match after
@@ -202,8 +207,9 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     i's and are all unmasked; it counts i itself and exact duplicates. Tokens of a shared prefix are
     then trained once per prefix instead of once per completion. Rows form groups of `group_size`
     consecutive rows. Exact and loop-free: compare every pair of rows of a group token by token; a
-    running product turns "equal at t" into "equal up to t". It takes ~2 B * group_size * T bytes;
-    a group's rows must be consecutive.
+    running product turns "equal at t" into "equal up to t". It takes ~2 B * group_size * T bytes.
+    The plain definition it computes: for i, t: count j in i's group with
+    all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]); the weight is 1 / count.
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
@@ -230,8 +236,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     advantages: (B,), or (B, T) per token (a process reward of your own, say). token_weights (B, T)
     multiply the whole per-token loss, policy and KL, and leave the normaliser alone (λ-GRPO).
     The loss is Σ loss_weights * per-token loss: by default aggregation_weights of this batch, as
-    TRL aggregates it; update() passes each token's share of the whole batch instead (then
-    loss_type and max_completion_length are not used).
+    TRL aggregates it. Pass loss_weights whenever a batch is split into pieces (micro-batches,
+    ranks): each token's share of the whole batch, as update() does; loss_type and
+    max_completion_length are then not used.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -279,17 +286,11 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 # -----------------------------------------------------------------------------
 # 2. The reward: exact match of the final answer, read as graders read it (model output is text).
+# How a number is read (parse_number, boxed, number_runs) is in section 7, with the plumbing.
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
-RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
-# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
-DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
-NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
-FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
-MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 def after_thought(text: str):
     """The text after the first </think> (all of it without one; None if a <think> never closes),
@@ -297,23 +298,6 @@ def after_thought(text: str):
     if "<think>" in text and "</think>" not in text:
         return None
     return text.split("</think>", 1)[-1]
-
-def boxed(text: str):
-    """What the last \\boxed{...} holds (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
-
-def number_runs(text: str) -> list[str]:
-    """The number-like runs of a text, after the Unicode minus and \\frac{a}{b} are made plain."""
-    text = FRAC_RE.sub(r"\1/\2", text.replace("\u2212", "-"))
-    return RUN_RE.findall(text)
 
 def extract_answer(text: str, reward: str = "tags"):
     """The answer after the thought, or None: the last <answer>...</answer>, else the last
@@ -328,20 +312,6 @@ def extract_answer(text: str, reward: str = "tags"):
     if found:
         return found[-1]
     return boxed(text)
-
-def parse_number(text: str):
-    """The one number an answer holds -> Fraction, else None. Inside a \\boxed{...} if there is one;
-    words, units, $, \\text{}, ** and a final full stop around it ignored ('The answer is 1,234.',
-    '18 eggs', '\\$12.50'); '.5', '-3/4', '-\\frac{1}{2}', the Unicode minus. Commas only as
-    thousands separators: '3,5' and '1, 2' are not numbers."""
-    inner = boxed(text)
-    runs = number_runs(text if inner is None else inner)
-    if len(runs) != 1 or len(runs[0]) > MAX_NUMBER_CHARS or not NUMBER_RE.fullmatch(runs[0]):
-        return None
-    numerator, _, denominator = runs[0].replace(",", "").partition("/")
-    if denominator and Fraction(denominator) == 0:
-        return None
-    return Fraction(numerator) / Fraction(denominator or 1)
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           reward: str = "tags"):
@@ -733,17 +703,19 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
 
     At each level the cache holds every context token but the last, which is the first input: the
-    one-token shift. Padding holes in a cache are masked, and positions count real tokens only.
-    Only GRPO-MA has a second level."""
+    one-token shift. A thought of 3 tokens a b c in a level of width 5: input [p3 a b c pad], mask
+    [1 1 1 0 0] (target c's input, b, is the last real one), so the cache keeps p3 a b and c becomes
+    its answers' first input. Padding holes in a cache are masked, positions count real tokens
+    only, and only GRPO-MA has a second level. Equal to flat_logps up to float rounding."""
     B, C = rows.completion_ids.shape
     ids, cmask = rows.completion_ids.to(device), rows.completion_mask.to(device)
     parent = rows.parent.to(device)
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
-    level = parent < 0  # the rows that continue a prompt directly, then their children
+    in_level = parent < 0  # the rows that continue a prompt directly, then their children
     context_row = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
-    while level.any():
-        idx = level.nonzero().squeeze(1)
+    while in_level.any():
+        idx = in_level.nonzero().squeeze(1)
         ctx = prefix.select(context_row[idx])
         n = int(cmask[idx].sum(1).max())
         target, target_mask = ids[idx, :n], cmask[idx, :n]
@@ -755,10 +727,10 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
         last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
         prefix = Prefix(kv_of(cache), m, last)  # the children's contexts, one per row of idx
-        position = torch.full((B,), -1, dtype=torch.long, device=device)
-        position[idx] = torch.arange(len(idx), device=device)  # row -> its row in the new prefix
-        level = torch.isin(parent, idx)
-        context_row = position[parent.clamp(min=0)]
+        row_in_prefix = torch.full((B,), -1, dtype=torch.long, device=device)
+        row_in_prefix[idx] = torch.arange(len(idx), device=device)
+        in_level = torch.isin(parent, idx)  # the children of this level's rows
+        context_row = row_in_prefix[parent.clamp(min=0)]
     return logps
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
@@ -784,8 +756,8 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
     return logps
 
 def micro_batches(rows: Rows, size: int) -> list[Rows]:
-    """Split rows into micro-batches of about `size` rows. A row that continues a prompt directly
-    stays with the rows that continue it (a GRPO-MA thought with its answers)."""
+    """Split rows into micro-batches of about `size` rows. A GRPO-MA thought stays in the same
+    micro-batch as its answers, which reuse its cache."""
     batches, current = [], []
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
@@ -800,9 +772,9 @@ def global_loss_weights(cfg: Config, rows: Rows, num_prompts: int):
     """(B, C) each token's share of J in the global batch of num_prompts prompts. The batch has
     parts aggregated each on its own and summed: one, except GRPO-MA under --ma-weighting parts,
     whose K thoughts and K*M answers per prompt make J = J(thoughts) + J(answers), so the thoughts
-    keep their share for every M (pooled, under dapo their share would be Lt / (Lt + M La), under
-    grpo 1 / (1 + M)). dr_grpo divides by the part's nominal rows times its longest allowed
-    completion, however many rows were made."""
+    keep their share for every M (pooled, under dapo their share would be Lt / (Lt + M La), Lt and
+    La a thought's and an answer's length; under grpo 1 / (1 + M)). dr_grpo divides by the part's
+    nominal rows times its longest allowed completion, however many rows were made."""
     P, G, every = num_prompts, cfg.num_generations, torch.ones(len(rows), dtype=torch.bool)
     parts = [(every, P * G, cfg.max_new_tokens)]  # (rows, nominal rows, length limit)
     if cfg.variant == "ta":
@@ -829,7 +801,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_pro
     The model is in train mode here and in eval mode when sampling: the same policy only without
     dropout, which these models do not use in fine-tuning."""
     metrics = {}
-    rows.loss_weights = global_loss_weights(cfg, rows, num_prompts)
+    rows.loss_weights = global_loss_weights(cfg, rows, num_prompts)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
     micro = micro_batches(rows, cfg.micro_batch_size)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
@@ -1035,7 +1007,51 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
     return result
 
 # -----------------------------------------------------------------------------
-# 7. Plumbing (a first read can stop here): flags, data, models, checkpoints, signals, ranks.
+# 7. Plumbing (a first read can stop here): numbers, flags, data, models, checkpoints, ranks.
+
+# Reading a number as graders do: inside \boxed{}, with words, units and separators around it.
+
+# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
+RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
+# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
+DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
+NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
+FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
+
+def boxed(text: str):
+    """What the last \\boxed{...} holds (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+def number_runs(text: str) -> list[str]:
+    """The number-like runs of a text, after the Unicode minus and \\frac{a}{b} are made plain."""
+    text = FRAC_RE.sub(r"\1/\2", text.replace("\u2212", "-"))
+    return RUN_RE.findall(text)
+
+def parse_number(text: str):
+    """The one number an answer holds -> Fraction, else None. Inside a \\boxed{...} if there is one;
+    words, units, $, \\text{}, ** and a final full stop around it ignored ('The answer is 1,234.',
+    '18 eggs', '\\$12.50'); '.5', '-3/4', '-\\frac{1}{2}', the Unicode minus. Commas only as
+    thousands separators: '3,5' and '1, 2' are not numbers."""
+    inner = boxed(text)
+    runs = number_runs(text if inner is None else inner)
+    if len(runs) != 1 or len(runs[0]) > MAX_NUMBER_CHARS or not NUMBER_RE.fullmatch(runs[0]):
+        return None
+    numerator, _, denominator = runs[0].replace(",", "").partition("/")
+    if denominator and Fraction(denominator) == 0:
+        return None
+    return Fraction(numerator) / Fraction(denominator or 1)
+
+# -----------------------------------------------------------------------------
+# Flags and data files: every bad value stops the run with one line that names it.
 
 class UserError(Exception):
     """A bad flag, data line, file or step: main() prints it as one line, without a traceback."""
@@ -1131,6 +1147,9 @@ def load_data(cfg: Config, tokenizer, max_positions: int) -> tuple[list[dict], l
                                 f"question or lower --max-new-tokens")
     return examples, test_examples
 
+# -----------------------------------------------------------------------------
+# Models, checkpoints, resume and signals.
+
 def pick_device(name: str) -> torch.device:
     """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(),
@@ -1144,6 +1163,8 @@ def pick_device(name: str) -> torch.device:
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
     import transformers
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
+        raise UserError(f"transformers {transformers.__version__}: grpo.py needs 5.24 or newer")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
