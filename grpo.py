@@ -36,7 +36,7 @@ One training step (train_step, then update) in pseudocode:
         completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
         rewards = score_batch(tokenizer, completions, answers)      # 1: EOS and the right answer
         advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
-    rows.loss_weights = global_loss_weights(cfg, rows, P)           # each token's share of J
+    rows.loss_weights = global_loss_weights(rows, loss_type)        # each token's share of J
     micro = micro_batches(rows, size)                               # a thought with its answers
     old_logps = [rows_logps(model, m, T, device) for m in micro] if μ > 1   # (ref_logps if β > 0)
     repeat μ times:
@@ -46,8 +46,8 @@ One training step (train_step, then update) in pseudocode:
             loss.backward()                                         # the losses sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
 
-To add a variant: a rollout that fills Rows (section 4), an entry in ROLLOUTS, its nominal batch
-size in global_loss_weights, and a --variant choice in Config.
+To add a variant: a rollout that fills Rows (section 4), with its loss parts, an entry in ROLLOUTS
+and a --variant choice in Config; update() does not know which variant made the rows.
 
 Simplified versus the papers: sampling is a short KV-cache loop (no vLLM, no paged attention; one
 process samples and trains, so models up to ~1-3B on one GPU); the reward is exact match after
@@ -78,6 +78,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
@@ -506,6 +507,9 @@ class Rows:
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
     token_weights: torch.Tensor | None = None  # (B, C) multiplies the per-token loss (λ-GRPO)
     rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
+    # the parts aggregated each on its own, as (which rows (B,) bool, nominal rows on this rank,
+    # longest allowed completion): see global_loss_weights; set by the rollout, not kept by select
+    loss_parts: list | None = None
     loss_weights: torch.Tensor | None = None  # (B, C) each token's share of J (set by update)
 
     def __len__(self):
@@ -574,18 +578,21 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     token_weights = weights if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards)
+    every = torch.ones(len(ids), dtype=torch.bool)
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards,
+                loss_parts=[(every, len(batch) * G, cfg.max_new_tokens)])
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO-MA: K thoughts per prompt, each ending at the token whose text completes </think> (a BPE
     token can carry more: '><' of '</think><answer>'), then M answers per thought, sampled after the
-    prompt + the thought's tokens and scored on the thought's text + their own. A thought without
-    </think> (length limit or EOS) is *unclosed*: no answers (NaN rewards), value 0, and its row is
-    still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the answers
-    of the closed ones (parent: their thought's row); global_loss_weights weighs the two kinds.
-    P = 1, K = 2, M = 2, thought 1 unclosed: rows 0 and 1 are the thoughts (parent -1), rows 2 and
-    3 the answers of thought 0 (parent 0, context: the prompt + thought 0)."""
+    prompt + the thought's tokens, scored on the thought's text + their own. A thought without
+    </think> is *unclosed*: no answers (NaN rewards, null answer metrics if none closed), value 0,
+    its row still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the
+    closed ones' answers; P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1 the thoughts (parent
+    -1), rows 2, 3 thought 0's answers (parent 0). --ma-weighting parts makes J = J(thoughts) +
+    J(answers): the thoughts keep their share for every M (pooled, under dapo it would be
+    Lt / (Lt + M La), Lt and La a thought's and an answer's length; under grpo 1 / (1 + M))."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
@@ -597,8 +604,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         closed_rows = closed.nonzero().squeeze(1).tolist()
         contexts = [prompts[k // K] + th_ids[k][th_mask[k].bool()].tolist() for k in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    answer_parent = torch.tensor(closed_rows, dtype=torch.long).repeat_interleave(M)
-    parents = answer_parent.tolist()
+    parents = [k for k in closed_rows for _ in range(M)]  # each answer's thought row
+    answer_parent = torch.tensor(parents, dtype=torch.long)
     answers = [batch[k // K]["answer"] for k in parents]
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
                                                  cfg.reward, [thought_texts[k] for k in parents])
@@ -606,26 +613,25 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     rewards[closed] = answer_rewards.view(-1, M)
     thought_adv, answer_adv = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
     values = rewards.nanmean(-1).nan_to_num(0.0).view(P, K)  # V(th_k), as in ma_advantages
-    C = max(th_ids.shape[1], ans.completion_ids.shape[1])  # one width for both kinds of rows
-
-    def pad_right(t, value):
-        return torch.nn.functional.pad(t.cpu(), (0, C - t.shape[1]), value=value)
-    ids = torch.cat([pad_right(th_ids, tokenizer.pad_token_id),
-                     pad_right(ans.completion_ids, tokenizer.pad_token_id)])
-    mask = torch.cat([pad_right(th_mask, 0), pad_right(ans.completion_mask, 0)])
+    ids = pad_sequence(list(th_ids) + list(ans.completion_ids.cpu()), batch_first=True,
+                       padding_value=tokenizer.pad_token_id)
+    mask = pad_sequence(list(th_mask) + list(ans.completion_mask.cpu()), batch_first=True)
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
     prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
     parent = torch.cat([torch.full((P * K,), -1), answer_parent])
-    # answer metrics are NaN (null in metrics.jsonl) when no thought of the batch closed
     metrics.update(reward=global_mean(values), answer_reward=global_mean(answer_rewards),
                    frac_reward_zero_std=global_mean(values.amax(1) == values.amin(1)),
                    unclosed_thoughts=1 - global_mean(closed),
                    thought_length=global_mean(th_mask.sum(1).float()),
-                   answer_length=global_mean(ans.completion_mask.sum(1).float()),
                    truncated=1 - global_mean(ans.finished), unparseable=1 - global_mean(parsed),
                    format=global_mean(tagged), tokens=all_reduce([mask.sum().item()])[0])
+    loss_parts = [(parent < 0, P * K, cfg.max_new_tokens),
+                  (parent >= 0, P * K * M, cfg.max_answer_tokens)]
+    if cfg.ma_weighting == "tokens":
+        longest = max(cfg.max_new_tokens, cfg.max_answer_tokens)
+        loss_parts = [(torch.ones(len(parent), dtype=torch.bool), P * K * (1 + M), longest)]
     rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
-                rewards=torch.cat([values.view(-1), answer_rewards]))
+                rewards=torch.cat([values.view(-1), answer_rewards]), loss_parts=loss_parts)
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -670,7 +676,11 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    reward_rephrased=global_mean(r[j_idx > 0]))
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
-    return Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r), metrics
+    every = torch.ones(len(ids), dtype=torch.bool)
+    loss_parts = [(every, len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # N+1 nominal phrasings
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r,
+                loss_parts=loss_parts)
+    return rows, metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
@@ -768,40 +778,29 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     batches.append(current)
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
-def global_loss_weights(cfg: Config, rows: Rows, num_prompts: int):
-    """(B, C) each token's share of J in the global batch of num_prompts prompts. The batch has
-    parts aggregated each on its own and summed: one, except GRPO-MA under --ma-weighting parts,
-    whose K thoughts and K*M answers per prompt make J = J(thoughts) + J(answers), so the thoughts
-    keep their share for every M (pooled, under dapo their share would be Lt / (Lt + M La), Lt and
-    La a thought's and an answer's length; under grpo 1 / (1 + M)). dr_grpo divides by the part's
-    nominal rows times its longest allowed completion, however many rows were made."""
-    P, G, every = num_prompts, cfg.num_generations, torch.ones(len(rows), dtype=torch.bool)
-    parts = [(every, P * G, cfg.max_new_tokens)]  # (rows, nominal rows, length limit)
-    if cfg.variant == "ta":
-        parts = [(every, P * (cfg.num_rephrasings + 1) * G, cfg.max_new_tokens)]
-    K, M = cfg.num_thoughts, cfg.num_answers
-    if cfg.variant == "ma" and cfg.ma_weighting == "parts":
-        parts = [(rows.parent < 0, P * K, cfg.max_new_tokens),
-                 (rows.parent >= 0, P * K * M, cfg.max_answer_tokens)]
-    elif cfg.variant == "ma":
-        parts = [(every, P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
+def global_loss_weights(rows: Rows, loss_type: str):
+    """(B, C) each token's share of J in the global batch (all ranks): aggregation_weights within
+    each of rows.loss_parts, the parts that are aggregated each on its own and then summed (one
+    part, except GRPO-MA's thoughts and answers under --ma-weighting parts). dr_grpo divides by a
+    part's nominal rows, what the rollout set out to make however many it made, times its longest
+    allowed completion."""
     weights = torch.zeros(rows.completion_mask.shape)
-    for part, nominal_rows, max_len in parts:
+    for part, nominal_rows, max_len in rows.loss_parts:
         mask = rows.completion_mask[part]
-        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # over the ranks
-        if cfg.loss_type == "dr_grpo":
+        n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
+        if loss_type == "dr_grpo":
             n_rows = nominal_rows
-        weights[part] = aggregation_weights(mask, cfg.loss_type, n_rows, n_tokens, max_len)
+        weights[part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
     return weights
 
-def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device, num_prompts: int) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows of num_prompts prompts (all
-    ranks). Each token's loss is weighted by its share of J in the global batch, so the losses of
-    the micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
+def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
+    """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
+    token's loss is weighted by its share of J in the global batch, so the losses of the
+    micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
     The model is in train mode here and in eval mode when sampling: the same policy only without
     dropout, which these models do not use in fine-tuning."""
     metrics = {}
-    rows.loss_weights = global_loss_weights(cfg, rows, num_prompts)  # before micro_batches
+    rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
     micro = micro_batches(rows, cfg.micro_batch_size)
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
@@ -861,7 +860,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
-    metrics.update(update(model, ref_model, optimizer, rows, cfg, device, P))
+    metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
     metrics["time/step"] = time.perf_counter() - t_step
     phases = ["time/sample", "time/update", "time/step"]  # the slowest rank's
     metrics.update(zip(phases, all_reduce([metrics[key] for key in phases], "max")))

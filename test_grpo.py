@@ -532,16 +532,21 @@ def test_pieces_weighted_by_the_whole_batch_add_up_to_its_loss(loss_type):
     assert total.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
-def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True)):
-    """One prompt, K = 2 thoughts of 3 tokens, M answers of 2 tokens for each closed thought."""
+def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True), weighting="parts"):
+    """One prompt, K = 2 thoughts of 3 tokens, M answers of 2 tokens for each closed thought, with the loss parts
+    rollout_ma makes (test_rollouts_set_their_loss_parts checks those): limits 4 and 4."""
     prompt = grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)
     thought, answer = tok("abc", add_special_tokens=False).input_ids, tok("de", add_special_tokens=False).input_ids
     parents = [k for k in range(2) if closed[k] for _ in range(M)]
     ids = torch.tensor([thought] * 2 + [answer + [tok.pad_token_id]] * len(parents))
     mask = torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]] * len(parents))
     advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
-    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), torch.tensor([-1, -1] + parents), ids,
-                     mask, advantages)
+    parent = torch.tensor([-1, -1] + parents)
+    parts = [(parent < 0, 2, 4), (parent >= 0, 2 * M, 4)]
+    if weighting == "tokens":
+        parts = [(torch.ones(len(parent), dtype=torch.bool), 2 * (1 + M), 4)]
+    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), parent, ids, mask, advantages,
+                     loss_parts=parts)
 
 
 def ma_loss(tiny, rows, M, **kw):
@@ -549,7 +554,7 @@ def ma_loss(tiny, rows, M, **kw):
     model, _ = tiny
     cfg = grpo.Config(variant="ma", num_thoughts=2, num_answers=M, max_new_tokens=4, max_answer_tokens=4,
                       max_grad_norm=1e9, **kw)
-    metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, "cpu", 1)
+    metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, "cpu")
     return metrics["loss"], metrics["grad_norm"]
 
 
@@ -567,8 +572,8 @@ THOUGHT_SHARE = {("parts", "dapo"): lambda M: 0.5,
 def test_ma_weighting_keeps_the_thoughts_share_for_every_m(tiny, weighting, loss_type):
     tok = tiny[1]
     for M in (1, 4, 8):
-        only_thoughts = ma_loss(tiny, ma_rows(tok, M, 1.0, 0.0), M, ma_weighting=weighting, loss_type=loss_type)[0]
-        both = ma_loss(tiny, ma_rows(tok, M, 1.0, 1.0), M, ma_weighting=weighting, loss_type=loss_type)[0]
+        only_thoughts = ma_loss(tiny, ma_rows(tok, M, 1.0, 0.0, weighting=weighting), M, loss_type=loss_type)[0]
+        both = ma_loss(tiny, ma_rows(tok, M, 1.0, 1.0, weighting=weighting), M, loss_type=loss_type)[0]
         assert only_thoughts / both == pytest.approx(THOUGHT_SHARE[weighting, loss_type](M), abs=1e-6), M
     if (weighting, loss_type) == ("parts", "dapo"):
         assert both == pytest.approx(-2.0, abs=1e-6)  # J = J(thoughts) + J(answers): -1 - 1
@@ -579,27 +584,47 @@ def test_ma_weighting_keeps_the_thoughts_share_for_every_m(tiny, weighting, loss
 def test_ma_micro_batches_add_up_to_the_whole_batch(tiny, weighting, loss_type):
     """One micro-batch per thought (with its answers) against one for everything: same loss, same gradient."""
     tok = tiny[1]
-    rows = ma_rows(tok, 3)
+    rows = ma_rows(tok, 3, weighting=weighting)
     rows.advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(0))
-    whole = ma_loss(tiny, rows, 3, ma_weighting=weighting, loss_type=loss_type, micro_batch_size=100)
-    split = ma_loss(tiny, rows, 3, ma_weighting=weighting, loss_type=loss_type, micro_batch_size=1)
+    whole = ma_loss(tiny, rows, 3, loss_type=loss_type, micro_batch_size=100)
+    split = ma_loss(tiny, rows, 3, loss_type=loss_type, micro_batch_size=1)
     assert split == pytest.approx(whole, rel=1e-5)
 
 
 def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
     """Half the thoughts unclosed: their answers were never made, and dr_grpo's constant does not move."""
     tok = tiny[1]
-    rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False))  # 2 thoughts, 2 answers (of 2 + 4 nominal)
-    # tokens: nominal rows P*K*(1+M) = 6, times the longest limit 4: (2*3 + 2*2) / 24
-    assert ma_loss(tiny, rows, 2, ma_weighting="tokens", loss_type="dr_grpo")[0] == pytest.approx(-10 / 24)
+    # 2 thoughts, 2 answers (of 2 + 4 nominal); tokens: nominal rows P*K*(1+M) = 6, times the longest limit 4:
+    # (2*3 + 2*2) / 24
+    rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False), weighting="tokens")
+    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-10 / 24)
     # parts: thoughts (2*3) / (P*K * 4) + answers (2*2) / (P*K*M * 4)
-    assert ma_loss(tiny, rows, 2, ma_weighting="parts", loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
-    mask = rows.completion_mask.float()
-    ta = grpo.Config(variant="ta", num_rephrasings=3, num_generations=4, max_new_tokens=7, loss_type="dr_grpo")
-    # P * (N+1) * G = 32 nominal rows, however many rephrasings were drawn, times the limit 7
-    assert torch.allclose(grpo.global_loss_weights(ta, rows, 2), mask / (32 * 7))
-    plain = grpo.Config(num_generations=4, max_new_tokens=7, loss_type="dr_grpo")
-    assert torch.allclose(grpo.global_loss_weights(plain, rows, 2), mask / (8 * 7))
+    rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False), weighting="parts")
+    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
+    assert torch.allclose(grpo.global_loss_weights(rows, "dr_grpo"),
+                          torch.cat([rows.completion_mask[:2] / (2 * 4), rows.completion_mask[2:] / (4 * 4)]))
+
+
+def parts_of(rows):
+    """A rollout's loss parts as plain values: (row indices, nominal rows, length limit)."""
+    return [(part.nonzero().squeeze(1).tolist(), nominal, limit) for part, nominal, limit in rows.loss_parts]
+
+
+def test_rollouts_set_their_loss_parts(tiny):
+    """Nominal rows are what a rollout set out to make: P*G, P*K (thoughts) and P*K*M (answers) or P*K*(1+M)
+    pooled, P*(N+1)*G however many rephrasings a question had."""
+    model, tok = tiny
+    examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]  # P = 2; rollout_rows: G = 3, K = 3, M = 2
+    rows = rollout_rows("grpo", model, tok, examples)
+    assert parts_of(rows) == [(list(range(6)), 6, 32)]
+    for weighting in ("parts", "tokens"):
+        rows = rollout_rows("ma", model, tok, examples, ma_weighting=weighting)
+        thoughts, answers = list(range(6)), list(range(6, len(rows)))
+        expected = [(thoughts, 6, 32), (answers, 12, 8)] if weighting == "parts" else [(thoughts + answers, 18, 32)]
+        assert parts_of(rows) == expected, weighting
+    few = [dict(ex, rephrasings=ex["rephrasings"][:1]) for ex in examples]  # 1 rephrasing of N = 2
+    rows = rollout_rows("ta", model, tok, few)
+    assert len(rows) == 2 * 2 * 3 and parts_of(rows) == [(list(range(12)), 2 * 3 * 3, 32)]
 
 
 def test_sampler_takes_prompts_of_one_token(tiny):
@@ -1485,7 +1510,8 @@ def test_bench_lambda_weights_cost(request, tiny):
     ids = torch.where(torch.arange(T)[None] < fork[:, None], base, torch.randint(4, 60, (B, T), generator=g))
     mask = torch.ones(B, T, dtype=torch.long)
     prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)]
-    rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B))
+    rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B),
+                     loss_parts=[(torch.ones(B, dtype=torch.bool), B, T)])
     cfg = grpo.Config(max_new_tokens=T)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     lam, step = [], []
@@ -1494,7 +1520,7 @@ def test_bench_lambda_weights_cost(request, tiny):
         rows.token_weights = grpo.lambda_weights(ids, mask, G)
         lam.append(time.perf_counter() - t)
         t = time.perf_counter()
-        grpo.update(model, None, opt, rows, cfg, "cpu", B // G)
+        grpo.update(model, None, opt, rows, cfg, "cpu")
         step.append(time.perf_counter() - t)
     lam_s, step_s = sorted(lam)[2], sorted(step)[2]
     print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
@@ -1890,7 +1916,8 @@ def ddp_worker(rank, world, port, out):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        metrics = grpo.update(model, ref, opt, share, cfg, "cpu", 8)
+        share.loss_parts = [(torch.ones(len(share), dtype=torch.bool), len(share), 32)]  # 32 nominal in all
+        metrics = grpo.update(model, ref, opt, share, cfg, "cpu")
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
     torch.distributed.barrier()
@@ -1963,7 +1990,8 @@ def test_two_gloo_processes_update_like_one(tmp_path):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu", 8)
+        rows.loss_parts = [(torch.ones(len(rows), dtype=torch.bool), len(rows), 32)]
+        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu")
         ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
         for k, v in model.state_dict().items():
