@@ -72,6 +72,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -120,7 +121,7 @@ class Config:
                        ["tags", "last-number"])
     format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
     lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
-    warmup_steps: int = _opt(10, "linear warmup, then constant")
+    warmup_steps: int = _opt(10, "linear warmup over training steps, then constant")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     max_grad_norm: float = _opt(1.0, "gradient clipping")
     micro_batch_size: int = _opt(64, "rows per forward/backward (gradients accumulate across them)")
@@ -152,6 +153,7 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
     (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 is constant: 0.)
+    Without NaN and constant groups this is (r - r.mean(1, keepdim=True)) / (r.std(1) + eps).
     """
     r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
     adv = r - r.nanmean(1, keepdim=True)
@@ -208,7 +210,7 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     i's and are all unmasked; it counts i itself and exact duplicates. Tokens of a shared prefix are
     then trained once per prefix instead of once per completion. Rows form groups of `group_size`
     consecutive rows. Exact and loop-free: compare every pair of rows of a group token by token; a
-    running product turns "equal at t" into "equal up to t". It takes ~2 B * group_size * T bytes.
+    running product turns "equal at t" into "equal up to t". It takes ~4 B * group_size * T bytes.
     The plain definition it computes: for i, t: count j in i's group with
     all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]); the weight is 1 / count.
 
@@ -507,9 +509,7 @@ class Rows:
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
     token_weights: torch.Tensor | None = None  # (B, C) multiplies the per-token loss (λ-GRPO)
     rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
-    # the parts aggregated each on its own, as (which rows (B,) bool, nominal rows on this rank,
-    # longest allowed completion): see global_loss_weights; set by the rollout, not kept by select
-    loss_parts: list | None = None
+    loss_parts: list | None = None  # LossParts, set by the rollout (select does not keep them)
     loss_weights: torch.Tensor | None = None  # (B, C) each token's share of J (set by update)
 
     def __len__(self):
@@ -543,6 +543,12 @@ class Rows:
             tensors[name] = t
         prompts = [self.prompts[p] for p in used.tolist()]
         return Rows(prompts, new_prompt[self.prompt_index[index]], parent, **tensors)
+
+class LossPart(NamedTuple):
+    """Rows whose loss is aggregated on its own (then the parts' losses are summed)."""
+    in_part: torch.Tensor  # (B,) bool: the rows of this part
+    nominal_rows: int      # how many rows this rank's rollout set out to make (dr_grpo's constant)
+    max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
 # A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
 # and returns (Rows, metrics). Helpers from section 7, the plumbing: timed adds a block's seconds to
@@ -580,7 +586,7 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
     every = torch.ones(len(ids), dtype=torch.bool)
     rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards,
-                loss_parts=[(every, len(batch) * G, cfg.max_new_tokens)])
+                loss_parts=[LossPart(every, len(batch) * G, cfg.max_new_tokens)])
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -590,9 +596,9 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     </think> is *unclosed*: no answers (NaN rewards, null answer metrics if none closed), value 0,
     its row still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the
     closed ones' answers; P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1 the thoughts (parent
-    -1), rows 2, 3 thought 0's answers (parent 0). --ma-weighting parts makes J = J(thoughts) +
-    J(answers): the thoughts keep their share for every M (pooled, under dapo it would be
-    Lt / (Lt + M La), Lt and La a thought's and an answer's length; under grpo 1 / (1 + M))."""
+    -1), rows 2, 3 thought 0's answers (parent 0). Under --ma-weighting parts, J(thoughts) and
+    J(answers) are each a full token mean, summed. Pooled (tokens), the thoughts would get only
+    Lt / (Lt + M La) of the weight under dapo (Lt, La: a thought's, an answer's length)."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
@@ -625,11 +631,11 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    thought_length=global_mean(th_mask.sum(1).float()),
                    truncated=1 - global_mean(ans.finished), unparseable=1 - global_mean(parsed),
                    format=global_mean(tagged), tokens=all_reduce([mask.sum().item()])[0])
-    loss_parts = [(parent < 0, P * K, cfg.max_new_tokens),
-                  (parent >= 0, P * K * M, cfg.max_answer_tokens)]
+    loss_parts = [LossPart(parent < 0, P * K, cfg.max_new_tokens),
+                  LossPart(parent >= 0, P * K * M, cfg.max_answer_tokens)]
     if cfg.ma_weighting == "tokens":
         longest = max(cfg.max_new_tokens, cfg.max_answer_tokens)
-        loss_parts = [(torch.ones(len(parent), dtype=torch.bool), P * K * (1 + M), longest)]
+        loss_parts = [LossPart(torch.ones(len(parent), dtype=torch.bool), P * K * (1 + M), longest)]
     rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
                 rewards=torch.cat([values.view(-1), answer_rewards]), loss_parts=loss_parts)
     return rows, metrics
@@ -677,7 +683,7 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
     every = torch.ones(len(ids), dtype=torch.bool)
-    loss_parts = [(every, len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # N+1 nominal phrasings
+    loss_parts = [LossPart(every, len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # N+1 phrasings
     rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r,
                 loss_parts=loss_parts)
     return rows, metrics
@@ -703,9 +709,9 @@ def flat_logps(model, rows: Rows, temperature: float, device):
                        rows.completion_mask.to(device), temperature)
 
 def rows_logps(model, rows: Rows, temperature: float, device):
-    """flat_logps' numbers, each shared context encoded once: each prompt's cache is copied to the
-    rows that continue it, a GRPO-MA thought's cache on to its answers, and gradients flow back
-    through the copies, so values and gradients equal flat_logps'. A prompt, 2 thoughts, 2 answers:
+    """An optimisation a first read can skip: flat_logps' numbers, each shared context encoded once.
+    Each prompt's cache is copied to the rows that continue it, a GRPO-MA thought's cache on to its
+    answers, and gradients flow back through the copies. A prompt, 2 thoughts, 2 answers each:
 
         level  rows                   input                 cache (a Prefix)      targets
         0      prompt p1 p2 p3        p1 p2                 -                     -
@@ -722,8 +728,10 @@ def rows_logps(model, rows: Rows, temperature: float, device):
     parent = rows.parent.to(device)
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
+    # invariant: prefix row r holds a context, all but its last token cached; context_row[i] is
+    # the prefix row that is row i's context
     in_level = parent < 0  # the rows that continue a prompt directly, then their children
-    context_row = rows.prompt_index.to(device)  # each row's context: a row of `prefix`
+    context_row = rows.prompt_index.to(device)
     while in_level.any():
         idx = in_level.nonzero().squeeze(1)
         ctx = prefix.select(context_row[idx])
@@ -732,11 +740,11 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
         # x[:, t] is real where target t is: the cache then holds all but each row's last token,
         # which is the children's first input (their Prefix.last)
-        m = torch.cat([ctx.mask, target_mask], 1)
-        hidden, cache = run_decoder(model, x, m, ctx.cache())
+        attn = torch.cat([ctx.mask, target_mask], 1)
+        hidden, cache = run_decoder(model, x, attn, ctx.cache())
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
         last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
-        prefix = Prefix(kv_of(cache), m, last)  # the children's contexts, one per row of idx
+        prefix = Prefix(kv_of(cache), attn, last)  # the children's contexts, one per row of idx
         row_in_prefix = torch.full((B,), -1, dtype=torch.long, device=device)
         row_in_prefix[idx] = torch.arange(len(idx), device=device)
         in_level = torch.isin(parent, idx)  # the children of this level's rows
@@ -783,14 +791,15 @@ def global_loss_weights(rows: Rows, loss_type: str):
     each of rows.loss_parts, the parts that are aggregated each on its own and then summed (one
     part, except GRPO-MA's thoughts and answers under --ma-weighting parts). dr_grpo divides by a
     part's nominal rows, what the rollout set out to make however many it made, times its longest
-    allowed completion."""
+    allowed completion. GRPO-MA under parts and dapo: a thought token gets 1 / (all thought
+    tokens), an answer token 1 / (all answer tokens)."""
     weights = torch.zeros(rows.completion_mask.shape)
-    for part, nominal_rows, max_len in rows.loss_parts:
-        mask = rows.completion_mask[part]
+    for in_part, nominal_rows, max_len in rows.loss_parts:  # LossParts (or plain tuples)
+        mask = rows.completion_mask[in_part]
         n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
         if loss_type == "dr_grpo":
             n_rows = nominal_rows
-        weights[part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
+        weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
     return weights
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
@@ -798,7 +807,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     token's loss is weighted by its share of J in the global batch, so the losses of the
     micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
     The model is in train mode here and in eval mode when sampling: the same policy only without
-    dropout, which these models do not use in fine-tuning."""
+    dropout, which these models do not use in fine-tuning. A non-finite gradient stops the run.
+    To change it: a per-token reward is Rows.advantages of shape (B, C); a new loss is a change to
+    policy_loss only; flat_logps instead of rows_logps gives the same numbers, plainly."""
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
@@ -869,7 +880,8 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     """--log-completions: the rows of the batch's first prompt (GRPO-MA: thoughts with their
-    answers) with reward, advantage and (λ-GRPO) mean 1/|λ|, in completions.jsonl and a table."""
+    answers; TA under --ta-anchor rephrased: q0's G only) with reward, advantage and (λ-GRPO) mean
+    1/|λ|, in completions.jsonl and a table."""
     first = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
     texts = decode(tokenizer, rows.completion_ids[first], rows.completion_mask[first])
     entries, completions = {}, []
