@@ -252,6 +252,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     metrics = {}
     n = mask.sum().clamp(min=1).item()
     if beta:
+        assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
         delta = ref_per_token_logps - per_token_logps
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
@@ -364,7 +365,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     cache = DynamicCache() if cache is None else cache
-    # cache= is what transformers >= 5.24 calls past_key_values (older ones would ignore it)
+    # cache= is transformers 5.24's name for past_key_values (load_model refuses older versions)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, use_cache=True, cache=cache)
     return out.last_hidden_state, cache
@@ -809,7 +810,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     The model is in train mode here and in eval mode when sampling: the same policy only without
     dropout, which these models do not use in fine-tuning. A non-finite gradient stops the run.
     To change it: a per-token reward is Rows.advantages of shape (B, C); a new loss is a change to
-    policy_loss only; flat_logps instead of rows_logps gives the same numbers, plainly."""
+    policy_loss only; flat_logps gives rows_logps' numbers plainly. Rows must hold a finite
+    advantage per row and loss_parts covering every row (the weights are set before the split)."""
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
