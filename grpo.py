@@ -795,7 +795,7 @@ def global_loss_weights(rows: Rows, loss_type: str):
     allowed completion. GRPO-MA under parts and dapo: a thought token gets 1 / (all thought
     tokens), an answer token 1 / (all answer tokens)."""
     weights = torch.zeros(rows.completion_mask.shape)
-    for in_part, nominal_rows, max_len in rows.loss_parts:  # LossParts (or plain tuples)
+    for in_part, nominal_rows, max_len in rows.loss_parts:
         mask = rows.completion_mask[in_part]
         n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
         if loss_type == "dr_grpo":
@@ -1240,11 +1240,12 @@ def prepare_out(cfg: Config) -> Path | None:
     out = Path(cfg.out)
     if out.is_file():
         raise UserError(f"--out {out}: is a file, not a folder")
-    if cfg.resume and checkpoints(out):
-        return checkpoints(out)[-1]
-    found = sorted(path.name for path in run_files(out))
-    if found and not (cfg.overwrite or cfg.resume):
-        raise UserError(f"--out {out} already holds a run ({', '.join(found)}); continue it with "
+    found = checkpoints(out)
+    if cfg.resume and found:
+        return found[-1]
+    names = sorted(path.name for path in run_files(out))
+    if names and not (cfg.overwrite or cfg.resume):
+        raise UserError(f"--out {out} already holds a run ({', '.join(names)}); continue it with "
                         f"--resume or replace it with --overwrite")
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -542,9 +542,9 @@ def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True), weight
     mask = torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]] * len(parents))
     advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
     parent = torch.tensor([-1, -1] + parents)
-    parts = [(parent < 0, 2, 4), (parent >= 0, 2 * M, 4)]
+    parts = [grpo.LossPart(parent < 0, 2, 4), grpo.LossPart(parent >= 0, 2 * M, 4)]
     if weighting == "tokens":
-        parts = [(torch.ones(len(parent), dtype=torch.bool), 2 * (1 + M), 4)]
+        parts = [grpo.LossPart(torch.ones(len(parent), dtype=torch.bool), 2 * (1 + M), 4)]
     return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), parent, ids, mask, advantages,
                      loss_parts=parts)
 
@@ -1511,7 +1511,7 @@ def test_bench_lambda_weights_cost(request, tiny):
     mask = torch.ones(B, T, dtype=torch.long)
     prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)]
     rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B),
-                     loss_parts=[(torch.ones(B, dtype=torch.bool), B, T)])
+                     loss_parts=[grpo.LossPart(torch.ones(B, dtype=torch.bool), B, T)])
     cfg = grpo.Config(max_new_tokens=T)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     lam, step = [], []
@@ -1916,7 +1916,7 @@ def ddp_worker(rank, world, port, out):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        share.loss_parts = [(torch.ones(len(share), dtype=torch.bool), len(share), 32)]  # 32 nominal in all
+        share.loss_parts = [grpo.LossPart(torch.ones(len(share), dtype=torch.bool), len(share), 32)]  # 32 in all
         metrics = grpo.update(model, ref, opt, share, cfg, "cpu")
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
@@ -1990,7 +1990,7 @@ def test_two_gloo_processes_update_like_one(tmp_path):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        rows.loss_parts = [(torch.ones(len(rows), dtype=torch.bool), len(rows), 32)]
+        rows.loss_parts = [grpo.LossPart(torch.ones(len(rows), dtype=torch.bool), len(rows), 32)]
         metrics = grpo.update(model, ref, opt, rows, cfg, "cpu")
         ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
