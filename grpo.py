@@ -38,10 +38,10 @@ One training step (train_step, then update) in pseudocode:
         advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
     rows.loss_weights = global_loss_weights(rows, loss_type)        # each token's share of J
     micro = micro_batches(rows, size)                               # a thought with its answers
-    old_logps = [rows_logps(model, m, T, device) for m in micro] if μ > 1   # (ref_logps if β > 0)
+    old_logps = [rows_logps(model, m, T) for m in micro] if μ > 1   # (ref_logps if β > 0)
     repeat μ times:
         for m in micro:
-            logps = rows_logps(model, m, T, device)                 # log π(o_t | context, o_<t)
+            logps = rows_logps(model, m, T)                         # log π(o_t | context, o_<t)
             loss, _ = policy_loss(logps, old_logps or logps.detach(), ..., m.loss_weights)
             loss.backward()                                         # the losses sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
@@ -79,8 +79,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
+from transformers import DynamicCache, HfArgumentParser
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
@@ -227,21 +229,15 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
 # -----------------------------------------------------------------------------
 # The loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
 
-def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask,
-                ref_per_token_logps=None, token_weights=None, beta=0.0, epsilon=0.2,
-                epsilon_high=0.0, loss_type="dapo", max_completion_length=None,
-                loss_weights=None):
-    """GRPO surrogate loss (to minimise) and metrics.
+def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
+                ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=0.0):
+    """GRPO surrogate loss (to minimise) and metrics. Per-token tensors are (B, T).
 
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
     with ρ = exp(logp - old) and ε_high = ε when 0. At μ = 1, old = logp.detach(): ρ is 1 and no
     token is clipped, but ρ's gradient is logp's, so the gradient is the policy gradient.
-    advantages: (B,), or (B, T) per token (a process reward of your own, say). token_weights (B, T)
-    multiply the whole per-token loss, policy and KL, and leave the normaliser alone (λ-GRPO).
-    The loss is Σ loss_weights * per-token loss: by default aggregation_weights of this batch, as
-    TRL aggregates it. Pass loss_weights whenever a batch is split into pieces (micro-batches,
-    ranks): each token's share of the whole batch, as update() does; loss_type and
-    max_completion_length are then not used.
+    The loss is Σ loss_weights * per-token loss. aggregation_weights(completion_mask, loss_type)
+    gives TRL's losses; times lambda_weights, λ-GRPO's. advantages: (B,), or (B, T) per token.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -257,11 +253,6 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
         metrics["kl"] = (kl * mask).sum().item() / n
-    if token_weights is not None:
-        loss = loss * token_weights
-    if loss_weights is None:
-        loss_weights = aggregation_weights(mask, loss_type,
-                                           max_completion_length=max_completion_length)
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
@@ -357,44 +348,31 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
-def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder (model.model: no lm_head) over input_ids (B, T) after the tokens in `cache` (a
-    DynamicCache, grown in place, or None); attention_mask (B, L + T) covers both, with padding
-    (0) anywhere. Returns the last hidden states (B, T, H) and the cache."""
-    from transformers import DynamicCache
+def run_decoder(model, input_ids, attention_mask, cache):
+    """The decoder (model.model: no lm_head) over input_ids (B, T) after the L tokens in `cache` (a
+    transformers DynamicCache, grown in place); attention_mask (B, L + T) covers both, with padding
+    (0) anywhere. Returns the last hidden states (B, T, H)."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    cache = DynamicCache() if cache is None else cache
     # cache= is transformers 5.24's name for past_key_values (load_model refuses older versions)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, use_cache=True, cache=cache)
-    return out.last_hidden_state, cache
+    return out.last_hidden_state
 
 @dataclass
 class Prefix:
     """Contexts ready to be continued: the KV cache of all their tokens but the last, and that last
     token, which the next forward pass takes as input (its output predicts the first new token)."""
-    kv: list | None      # per layer (keys, values), each (B, heads, L, head_dim)
+    cache: object        # a DynamicCache: per layer keys and values, (B, heads, L, head_dim)
     mask: torch.Tensor   # (B, L) 1 where the cache holds a real token, 0 for padding
     last: torch.Tensor   # (B,)
 
     def select(self, index) -> "Prefix":
-        """Rows `index` (long); a repeated index copies a context to several continuations.
-        index_select, not k[index]: k[index]'s backward is documented nondeterministic on CPU, and
-        with it seeded runs drifted apart in the last bit after a few steps."""
-        kv = None
-        if self.kv is not None:
-            kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
-        return Prefix(kv, self.mask.index_select(0, index), self.last.index_select(0, index))
-
-    def cache(self):
-        """The keys and values as a transformers DynamicCache (None when empty)."""
-        from transformers import DynamicCache
-        return DynamicCache(ddp_cache_data=self.kv) if self.kv else None
-
-def kv_of(cache) -> list:
-    """A DynamicCache's tensors: per layer (keys, values)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+        """Rows `index` (long); a repeated index copies a context to several continuations. The
+        cache is reordered in place (a Prefix is continued once). reorder_cache uses index_select,
+        whose backward is deterministic on CPU (k[index]'s is not: seeded runs drifted apart)."""
+        self.cache.reorder_cache(index)
+        return Prefix(self.cache, self.mask.index_select(0, index), self.last.index_select(0, index))
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
@@ -411,8 +389,10 @@ def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
     ids, mask = ids.to(device), mask.to(device)
-    kv = kv_of(run_decoder(model, ids[:, :-1], mask[:, :-1])[1]) if ids.shape[1] > 1 else None
-    return Prefix(kv, mask[:, :-1], ids[:, -1])
+    cache = DynamicCache()
+    if ids.shape[1] > 1:
+        run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
+    return Prefix(cache, mask[:, :-1], ids[:, -1])
 
 def pick(logits, temperature: float, greedy: bool):
     """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), what
@@ -448,12 +428,12 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     texts = [""] * B  # each row's text so far, for stop strings
     active = torch.arange(B, device=device)  # the rows still being decoded
-    cache, mask, token = prefix.cache(), prefix.mask, prefix.last
+    cache, mask, token = prefix.cache, prefix.mask, prefix.last
     for t in range(max_new_tokens):
         if not len(active):  # every row has ended (or there were none)
             break
         mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)
-        hidden, cache = run_decoder(model, token[:, None], mask, cache)
+        hidden = run_decoder(model, token[:, None], mask, cache)
         token = pick(model.lm_head(hidden[:, -1]).float(), temperature, greedy)
         ids[active, t] = token
         lengths[active] += 1
@@ -515,6 +495,14 @@ class Rows:
 
     def __len__(self):
         return len(self.completion_ids)
+
+    def to(self, device) -> "Rows":
+        """The same rows with every tensor on `device`."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return Rows(**moved)
 
     def context(self, i: int) -> list[int]:
         """Row i's context as token ids: its prompt, then its parent's completion."""
@@ -694,22 +682,23 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 # -----------------------------------------------------------------------------
 # 5. Log-probs and the update.
 
-def flat_logps(model, rows: Rows, temperature: float, device):
+def flat_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
     before it, the plain way: one forward pass per row over context + completion. The definition;
     rows_logps is the fast way, this one serves --gradient-checkpointing (it drops KV caches)."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
-    input_ids = torch.cat([context_ids, rows.completion_ids], 1).to(device)
-    attention_mask = torch.cat([context_mask, rows.completion_mask], 1).to(device)
+    device = rows.completion_ids.device
+    input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
+    attention_mask = torch.cat([context_mask.to(device), rows.completion_mask], 1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=False).last_hidden_state
     # the one-token shift: position L-1 (the context's last token) predicts completion token 0
     L = context_ids.shape[1]
-    return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids.to(device),
-                       rows.completion_mask.to(device), temperature)
+    return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids,
+                       rows.completion_mask, temperature)
 
-def rows_logps(model, rows: Rows, temperature: float, device):
+def rows_logps(model, rows: Rows, temperature: float):
     """An optimisation a first read can skip: flat_logps' numbers, each shared context encoded once.
     Each prompt's cache is copied to the rows that continue it, a GRPO-MA thought's cache on to its
     answers, and gradients flow back through the copies. A prompt, 2 thoughts, 2 answers each:
@@ -725,14 +714,14 @@ def rows_logps(model, rows: Rows, temperature: float, device):
     its answers' first input. Padding holes in a cache are masked, positions count real tokens
     only, and only GRPO-MA has a second level. Equal to flat_logps up to float rounding."""
     B, C = rows.completion_ids.shape
-    ids, cmask = rows.completion_ids.to(device), rows.completion_mask.to(device)
-    parent = rows.parent.to(device)
+    ids, cmask, parent = rows.completion_ids, rows.completion_mask, rows.parent
+    device = ids.device
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
     # invariant: prefix row r holds a context, all but its last token cached; context_row[i] is
     # the prefix row that is row i's context
     in_level = parent < 0  # the rows that continue a prompt directly, then their children
-    context_row = rows.prompt_index.to(device)
+    context_row = rows.prompt_index
     while in_level.any():
         idx = in_level.nonzero().squeeze(1)
         ctx = prefix.select(context_row[idx])
@@ -742,10 +731,10 @@ def rows_logps(model, rows: Rows, temperature: float, device):
         # x[:, t] is real where target t is: the cache then holds all but each row's last token,
         # which is the children's first input (their Prefix.last)
         attn = torch.cat([ctx.mask, target_mask], 1)
-        hidden, cache = run_decoder(model, x, attn, ctx.cache())
+        hidden = run_decoder(model, x, attn, ctx.cache)
         logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
         last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
-        prefix = Prefix(kv_of(cache), attn, last)  # the children's contexts, one per row of idx
+        prefix = Prefix(ctx.cache, attn, last)  # the children's contexts, one per row of idx
         row_in_prefix = torch.full((B,), -1, dtype=torch.long, device=device)
         row_in_prefix[idx] = torch.arange(len(idx), device=device)
         in_level = torch.isin(parent, idx)  # the children of this level's rows
@@ -788,12 +777,12 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
 def global_loss_weights(rows: Rows, loss_type: str):
-    """(B, C) each token's share of J in the global batch (all ranks): aggregation_weights within
-    each of rows.loss_parts, the parts that are aggregated each on its own and then summed (one
-    part, except GRPO-MA's thoughts and answers under --ma-weighting parts). dr_grpo divides by a
-    part's nominal rows, what the rollout set out to make however many it made, times its longest
-    allowed completion. GRPO-MA under parts and dapo: a thought token gets 1 / (all thought
-    tokens), an answer token 1 / (all answer tokens)."""
+    """(B, C) each token's weight in J over the global batch (all ranks): aggregation_weights
+    within each of rows.loss_parts (one part, except GRPO-MA's thoughts and answers under
+    --ma-weighting parts), times rows.token_weights (λ-GRPO). dr_grpo divides by a part's nominal
+    rows, what the rollout set out to make however many it made, times its longest allowed
+    completion. GRPO-MA under parts and dapo: a thought token gets 1 / (all thought tokens), an
+    answer token 1 / (all answer tokens)."""
     weights = torch.zeros(rows.completion_mask.shape)
     for in_part, nominal_rows, max_len in rows.loss_parts:
         mask = rows.completion_mask[in_part]
@@ -801,9 +790,11 @@ def global_loss_weights(rows: Rows, loss_type: str):
         if loss_type == "dr_grpo":
             n_rows = nominal_rows
         weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
+    if rows.token_weights is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
+        weights = weights * rows.token_weights
     return weights
 
-def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict:
+def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
     token's loss is weighted by its share of J in the global batch, so the losses of the
     micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
@@ -815,28 +806,25 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
-    micro = micro_batches(rows, cfg.micro_batch_size)
+    device = next(model.parameters()).device
+    micro = [m.to(device) for m in micro_batches(rows, cfg.micro_batch_size)]
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
-
-    def to_device(t):
-        return None if t is None else t.to(device)
     with timed(metrics, "time/update"):
         with torch.no_grad():  # old log-probs only when the batch is reused (μ > 1)
             old, ref = None, None
             if cfg.num_iterations > 1:
-                old = [logps_of(model, m, cfg.temperature, device) for m in micro]
+                old = [logps_of(model, m, cfg.temperature) for m in micro]
             if cfg.beta > 0:
-                ref = [logps_of(ref_model, m, cfg.temperature, device) for m in micro]
+                ref = [logps_of(ref_model, m, cfg.temperature) for m in micro]
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
-                logps = logps_of(model, m, cfg.temperature, device)
+                logps = logps_of(model, m, cfg.temperature)
                 loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), to_device(m.advantages),
-                    to_device(m.completion_mask), ref[j] if ref else None,
-                    to_device(m.token_weights), beta=cfg.beta, epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high, loss_weights=to_device(m.loss_weights))
+                    logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
+                    m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high)
                 loss.backward()
                 share = m.completion_mask.sum().item() / max(all_tokens, 1)  # kl, clips: per token
                 totals["loss"] += loss.item() / cfg.num_iterations
@@ -857,8 +845,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config, device) -> dict
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
 
-def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int,
-               device) -> dict:
+def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int) -> dict:
     """One step: draw P prompts (afresh each step, from (seed, step): no epochs), sample and score
     this rank's share, update. Returns the metrics."""
     t_step = time.perf_counter()
@@ -873,7 +860,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
-    metrics.update(update(model, ref_model, optimizer, rows, cfg, device))
+    metrics.update(update(model, ref_model, optimizer, rows, cfg))
     metrics["time/step"] = time.perf_counter() - t_step
     phases = ["time/sample", "time/update", "time/step"]  # the slowest rank's
     metrics.update(zip(phases, all_reduce([metrics[key] for key in phases], "max")))
@@ -942,8 +929,7 @@ def train(cfg: Config) -> dict:
         for step in tqdm(range(start, cfg.steps), desc=cfg.variant, disable=not main_rank):
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             with autocast:
-                metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step,
-                                     device)
+                metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step)
             scheduler.step()
             write({"step": step + 1, "lr": lr, **metrics})
             run_eval(step + 1)
@@ -1080,7 +1066,6 @@ LOWEST = {"num_generations": 2, "num_thoughts": 2, "prompts_per_step": 1, "num_a
 
 def parse_args(argv=None) -> Config:
     """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
-    from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, description="GRPO and variants in one file.")
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     (cfg,) = parser.parse_args_into_dataclasses(argv)
@@ -1175,7 +1160,6 @@ def pick_device(name: str) -> torch.device:
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
-    import transformers
     if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
         raise UserError(f"transformers {transformers.__version__}: grpo.py needs 5.24 or newer")
     transformers.utils.logging.set_verbosity_error()

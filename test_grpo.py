@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 import grpo
@@ -71,6 +72,11 @@ def test_group_advantages_ignore_missing_rows():
 # Loss
 
 
+def dapo(mask):
+    """The default aggregation: one token mean over the batch."""
+    return grpo.aggregation_weights(mask, "dapo")
+
+
 def per_token_case():
     """Rows A (2 tokens) and B (4 tokens) whose per-token losses are 1 and 2 (ratio 1, A = -1 and -2)."""
     logps = torch.zeros(2, 4, requires_grad=True)
@@ -81,7 +87,8 @@ def per_token_case():
 @pytest.mark.parametrize("loss_type,expected", [("grpo", 1.5), ("dapo", 10 / 6), ("dr_grpo", 0.625)])
 def test_loss_types(loss_type, expected):
     logps, mask, adv = per_token_case()
-    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
+    weights = grpo.aggregation_weights(mask, loss_type, max_completion_length=8)
+    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, weights)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
@@ -89,7 +96,7 @@ def test_ratio_one_and_no_clipping_at_mu_one():
     torch.manual_seed(0)
     logps = torch.randn(3, 5, requires_grad=True)
     adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5)
-    loss, metrics = grpo.policy_loss(logps, logps.detach(), adv, mask, epsilon=0.2)
+    loss, metrics = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask), epsilon=0.2)
     assert metrics["clip_low"] == 0 and metrics["clip_high"] == 0
     loss.backward()
     # ratio = 1, so d loss / d logp = -A / number of tokens (dapo)
@@ -101,8 +108,9 @@ def test_epsilon_high_worked_numbers():
     gradient 1.25 = ratio); ratio 1.35 is clipped at 1.28 (no gradient)."""
     old = torch.zeros(1, 2)
     logps = torch.log(torch.tensor([[1.25, 1.35]])).requires_grad_()
-    loss, metrics = grpo.policy_loss(logps, old, torch.tensor([1.0]), torch.ones(1, 2), epsilon=0.2,
-                                     epsilon_high=0.28, loss_type="dapo")
+    mask = torch.ones(1, 2)
+    loss, metrics = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2,
+                                     epsilon_high=0.28)
     assert loss.item() == pytest.approx(-(1.25 + 1.28) / 2, abs=1e-6) and metrics["clip_high"] == 0.5
     loss.backward()
     assert logps.grad.tolist()[0] == pytest.approx([-1.25 / 2, 0.0], abs=1e-6)
@@ -112,33 +120,36 @@ def test_clipping_and_clip_higher():
     old = torch.zeros(1, 4)
     logps = torch.log(torch.tensor([[0.7, 1.25, 1.35, 1.0]]))
     mask = torch.ones(1, 4)
-    _, neg = grpo.policy_loss(logps, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    _, neg = grpo.policy_loss(logps, old, torch.tensor([-1.0]), mask, dapo(mask), epsilon=0.2)
     assert neg["clip_low"] == 0.25 and neg["clip_high"] == 0  # 0.7 < 0.8 with A < 0
-    _, pos = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    _, pos = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2)
     assert pos["clip_high"] == 0.5  # 1.25 and 1.35 > 1.2 with A > 0
-    _, higher = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.28)
+    _, higher = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2, epsilon_high=0.28)
     assert higher["clip_high"] == 0.25  # only 1.35 > 1.28
-    loss, _ = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, epsilon=0.2, loss_type="dapo")
+    loss, _ = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2)
     assert loss.item() == pytest.approx(-(0.7 + 1.2 + 1.2 + 1.0) / 4, abs=1e-6)
 
 
 def test_k3_kl_zero_at_reference_and_matches_formula():
     logps = torch.tensor([[-1.0, -2.0]])
-    zero, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), torch.ones(1, 2), ref_per_token_logps=logps, beta=0.1)
+    mask = torch.ones(1, 2)
+    zero, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), mask, dapo(mask), ref_per_token_logps=logps, beta=0.1)
     assert zero.item() == 0 and m["kl"] == 0
     ref = torch.tensor([[-1.5, -1.0]])
-    loss, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), torch.ones(1, 2), ref_per_token_logps=ref, beta=0.1)
+    loss, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), mask, dapo(mask), ref_per_token_logps=ref, beta=0.1)
     d = ref - logps
     kl = (d.exp() - d - 1).mean().item()
     assert m["kl"] == pytest.approx(kl) and loss.item() == pytest.approx(0.1 * kl)
 
 
 def test_token_weights_scale_policy_and_kl_not_normaliser():
+    """λ-GRPO's weights times the dapo weights (global_loss_weights' product): policy and KL terms scaled, the
+    token count left alone."""
     logps, mask, adv = per_token_case()
     ref = logps.detach() - 0.5
     weights = torch.tensor([[0.5, 1, 0, 0], [1, 0.25, 1, 1]])
-    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, ref_per_token_logps=ref, token_weights=weights,
-                               beta=0.1, loss_type="dapo")
+    loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask) * weights, ref_per_token_logps=ref,
+                               beta=0.1)
     k3 = math.exp(-0.5) + 0.5 - 1
     per_token = torch.tensor([[1.0, 1, 0, 0], [2, 2, 2, 2]]) + 0.1 * k3
     assert loss.item() == pytest.approx(((per_token * weights).sum() / 6).item(), abs=1e-6)
@@ -431,7 +442,7 @@ def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, varia
     results = []
     for logps_of in (grpo.rows_logps, grpo.flat_logps):
         model.zero_grad()
-        logps = logps_of(model, rows, 0.7, "cpu")
+        logps = logps_of(model, rows, 0.7)
         (logps * weights).sum().backward()
         results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
     (shared, shared_grads), (flat, flat_grads) = results
@@ -448,10 +459,11 @@ def test_a_copied_context_sums_its_gradients_through_index_select():
     the gradient 1 + 2 + 8 = 11 and row 1 the gradient 4."""
     keys = torch.ones(2, 1, 1, 1, requires_grad=True)
     values = torch.ones(2, 1, 1, 1, requires_grad=True)
-    prefix = grpo.Prefix([(keys, values)], torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
+    cache = transformers.DynamicCache(ddp_cache_data=[(keys, values)])
+    prefix = grpo.Prefix(cache, torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
     copied = prefix.select(torch.tensor([0, 0, 1, 0]))
     assert copied.last.tolist() == [5, 5, 6, 5]
-    copied_keys, copied_values = copied.kv[0]
+    copied_keys, copied_values = copied.cache.layers[0].keys, copied.cache.layers[0].values
     assert copied_keys.grad_fn.name() == "IndexSelectBackward0"
     weights = torch.tensor([1.0, 2.0, 4.0, 8.0]).view(4, 1, 1, 1)
     ((copied_keys + copied_values) * weights).sum().backward()
@@ -463,7 +475,7 @@ def test_flat_logps_are_the_log_softmax_of_logits_over_temperature(tiny):
     model, tok = tiny
     rows = rollout_rows("ma", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
     with torch.no_grad():
-        logps = grpo.flat_logps(model, rows, 0.7, "cpu")
+        logps = grpo.flat_logps(model, rows, 0.7)
         for i in range(len(rows)):
             context, n = rows.context(i), int(rows.completion_mask[i].sum())
             completion = rows.completion_ids[i, :n]
@@ -524,11 +536,11 @@ def test_pieces_weighted_by_the_whole_batch_add_up_to_its_loss(loss_type):
     logps, old = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
     adv = torch.randn(5, generator=g)
     mask = (torch.arange(6)[None] < torch.tensor([6, 1, 3, 4, 2])[:, None]).long()
-    whole, _ = grpo.policy_loss(logps, old, adv, mask, loss_type=loss_type, max_completion_length=6)
+    whole, _ = grpo.policy_loss(logps, old, adv, mask, grpo.aggregation_weights(mask, loss_type, max_completion_length=6))
     total = 0.0
     for piece in (slice(0, 2), slice(2, 5)):
         weights = grpo.aggregation_weights(mask[piece], loss_type, 5, mask.sum().item(), 6)
-        total += grpo.policy_loss(logps[piece], old[piece], adv[piece], mask[piece], loss_weights=weights)[0]
+        total += grpo.policy_loss(logps[piece], old[piece], adv[piece], mask[piece], weights)[0]
     assert total.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -554,7 +566,7 @@ def ma_loss(tiny, rows, M, **kw):
     model, _ = tiny
     cfg = grpo.Config(variant="ma", num_thoughts=2, num_answers=M, max_new_tokens=4, max_answer_tokens=4,
                       max_grad_norm=1e9, **kw)
-    metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, "cpu")
+    metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
     return metrics["loss"], metrics["grad_norm"]
 
 
@@ -1267,12 +1279,12 @@ def test_lambda_equivalence_theorem():
         step_adv = torch.zeros(G, T, dtype=torch.float64)
         for members in nodes.values():
             step_adv[tuple(zip(*members))] = (rewards[[i for i, _ in members]].mean() - mean) / std
-        kw = dict(ref_per_token_logps=ref, beta=0.04, loss_type="dapo")
-        grpo_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, **kw)
-        prm_loss, _ = grpo.policy_loss(logps, logps.detach(), step_adv, mask, **kw)
+        kw = dict(ref_per_token_logps=ref, beta=0.04)
+        grpo_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask), **kw)
+        prm_loss, _ = grpo.policy_loss(logps, logps.detach(), step_adv, mask, dapo(mask), **kw)
         assert grpo_loss.item() == pytest.approx(prm_loss.item(), abs=1e-6)
         weights = grpo.lambda_weights(ids, mask, G).double()
-        lam_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, token_weights=weights, **kw)
+        lam_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask) * weights, **kw)
         # per-node form: every trie node once, with its mean advantage, over the raw token count
         d = ref - logps
         kl = 0.04 * (d.exp() - d - 1)
@@ -1306,9 +1318,8 @@ def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0
         near = (paths[:, :n] == target_t[:n]).all(1)
         rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
         mask = torch.ones(G, depth)
-        weights = grpo.lambda_weights(paths, mask, G) if lam else None
-        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, G), mask,
-                                   token_weights=weights, loss_type="dapo")
+        weights = dapo(mask) * grpo.lambda_weights(paths, mask, G) if lam else dapo(mask)
+        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, G), mask, weights)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -1520,7 +1531,7 @@ def test_bench_lambda_weights_cost(request, tiny):
         rows.token_weights = grpo.lambda_weights(ids, mask, G)
         lam.append(time.perf_counter() - t)
         t = time.perf_counter()
-        grpo.update(model, None, opt, rows, cfg, "cpu")
+        grpo.update(model, None, opt, rows, cfg)
         step.append(time.perf_counter() - t)
     lam_s, step_s = sorted(lam)[2], sorted(step)[2]
     print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
@@ -1847,7 +1858,7 @@ def test_real_model_logps_equal_hf_forward_on_three_levels_and_on_a_grpo_batch(s
     for rows in (ma, plain):
         reference = hf_logps(model, rows, 0.7)
         for logps_of in (grpo.rows_logps, grpo.flat_logps):
-            logps = logps_of(model, rows, 0.7, "cpu")
+            logps = logps_of(model, rows, 0.7)
             assert (logps - reference).abs().max() <= 1e-4, logps_of.__name__
             assert (logps[rows.completion_mask == 0] == 0).all()
 
@@ -1917,7 +1928,7 @@ def ddp_worker(rank, world, port, out):
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
         share.loss_parts = [grpo.LossPart(torch.ones(len(share), dtype=torch.bool), len(share), 32)]  # 32 in all
-        metrics = grpo.update(model, ref, opt, share, cfg, "cpu")
+        metrics = grpo.update(model, ref, opt, share, cfg)
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
     torch.distributed.barrier()
@@ -1991,7 +2002,7 @@ def test_two_gloo_processes_update_like_one(tmp_path):
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         rows.loss_parts = [grpo.LossPart(torch.ones(len(rows), dtype=torch.bool), len(rows), 32)]
-        metrics = grpo.update(model, ref, opt, rows, cfg, "cpu")
+        metrics = grpo.update(model, ref, opt, rows, cfg)
         ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
         for k, v in model.state_dict().items():
@@ -2019,7 +2030,7 @@ rows = grpo.Rows([row[:P].tolist() for row in ids], torch.arange(B), torch.full(
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.set_grad_enabled(grad):
     if method == "ours":
-        logps = grpo.rows_logps(model, rows, 0.9, "cpu")
+        logps = grpo.rows_logps(model, rows, 0.9)
     else:  # the naive pass: full logits, then a full float32 log-softmax copy
         logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1:-1] / 0.9
         logps = logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
@@ -2083,7 +2094,7 @@ def trl_against_ours(tmp_path, model, tok, cfg, train, steps, rounds, label):
         theirs += clock.times[1:]  # the first step of a round warms caches
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-        times = [grpo.train_step(policy, tok, None, opt, cfg, train, r * steps + s, "cpu")["time/step"]
+        times = [grpo.train_step(policy, tok, None, opt, cfg, train, r * steps + s)["time/step"]
                  for s in range(steps)]
         ours += times[1:]
     med = lambda xs: sorted(xs)[len(xs) // 2]
@@ -2129,7 +2140,7 @@ def test_bench_ma_step_time(request):
             policy = __import__("copy").deepcopy(model)
             opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
             for s in range(6):
-                m = grpo.train_step(policy, tok, None, opt, cfg, train, r * 6 + s, "cpu")
+                m = grpo.train_step(policy, tok, None, opt, cfg, train, r * 6 + s)
                 if s:  # the first step of a round warms caches
                     times[name].append(m["time/step"])
                     tokens[name].append(m["tokens"])
