@@ -372,7 +372,8 @@ class Prefix:
         cache is reordered in place (a Prefix is continued once). reorder_cache uses index_select,
         whose backward is deterministic on CPU (k[index]'s is not: seeded runs drifted apart)."""
         self.cache.reorder_cache(index)
-        return Prefix(self.cache, self.mask.index_select(0, index), self.last.index_select(0, index))
+        mask, last = self.mask.index_select(0, index), self.last.index_select(0, index)
+        return Prefix(self.cache, mask, last)
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
@@ -544,15 +545,13 @@ class LossPart(NamedTuple):
 # metrics; global_mean and all_reduce average and sum over the ranks (in one process: the plain
 # mean and the numbers themselves); rank_and_world, sum_gradients, UserError and finite.
 
-def sample_metrics(rewards, group_size, parsed, tagged, samples) -> dict:
-    """The metrics of one step's samples, over all ranks."""
-    groups = rewards.reshape(-1, group_size)
-    lengths = samples.completion_mask.sum(1).float()
+def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
+    """The metrics of one step's samples, over all ranks; groups: (groups, n) rewards."""
     return {"reward": global_mean(rewards),
             "frac_reward_zero_std": global_mean(groups.amax(1) == groups.amin(1)),
-            "completion_length": global_mean(lengths),
+            "completion_length": global_mean(samples.completion_mask.sum(1).float()),
             "truncated": 1 - global_mean(samples.finished), "unparseable": 1 - global_mean(parsed),
-            "format": global_mean(tagged), "tokens": all_reduce([lengths.sum().item()])[0]}
+            "format": global_mean(tagged)}
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the
@@ -567,7 +566,7 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
     weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much completions share
     on = mask.bool()
-    metrics.update(sample_metrics(rewards, G, parsed, tagged, s),
+    metrics.update(sample_metrics(rewards, rewards.view(-1, G), parsed, tagged, s),
                    lambda_mean=global_mean(1 / weights[on]),      # mean |λ| over tokens
                    lambda_shared=global_mean(weights[on] < 1))    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
@@ -614,12 +613,10 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
     prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
     parent = torch.cat([torch.full((P * K,), -1), answer_parent])
-    metrics.update(reward=global_mean(values), answer_reward=global_mean(answer_rewards),
-                   frac_reward_zero_std=global_mean(values.amax(1) == values.amin(1)),
+    metrics.update(sample_metrics(values, values, parsed, tagged, ans),  # lengths: the answers'
+                   answer_reward=global_mean(answer_rewards),
                    unclosed_thoughts=1 - global_mean(closed),
-                   thought_length=global_mean(th_mask.sum(1).float()),
-                   truncated=1 - global_mean(ans.finished), unparseable=1 - global_mean(parsed),
-                   format=global_mean(tagged), tokens=all_reduce([mask.sum().item()])[0])
+                   thought_length=global_mean(th_mask.sum(1).float()))
     loss_parts = [LossPart(parent < 0, P * K, cfg.max_new_tokens),
                   LossPart(parent >= 0, P * K * M, cfg.max_answer_tokens)]
     if cfg.ma_weighting == "tokens":
@@ -654,20 +651,18 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
     rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P here, N+1, G); NaN: no phrasing
     rewards[p_idx, j_idx, g_idx] = r
-    advantages = ta_advantages(rewards, cfg.scale_rewards)[p_idx, j_idx, g_idx]
+    pooled_adv = ta_advantages(rewards, cfg.scale_rewards)  # (P, N+1, G), NaN: no phrasing
+    advantages = pooled_adv[p_idx, j_idx, g_idx]
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
     else:
         prompts, prompt_index = [phrasings[i] for i in first], p_idx
-    originals = rewards[:, 0]  # (P, G): what plain GRPO would have seen
-    pooled = rewards.view(len(batch), -1)  # (P, (N+1)*G), NaN where a phrasing is missing
-    high = torch.where(pooled.isnan(), -math.inf, pooled).amax(1)
-    low = torch.where(pooled.isnan(), math.inf, pooled).amin(1)
-    metrics.update(sample_metrics(r, G, parsed, tagged, s))
-    # zero variance as plain GRPO would meet it (q0's own G responses), then pooled
-    metrics.update(frac_reward_zero_std=global_mean(originals.amax(1) == originals.amin(1)),
-                   frac_reward_zero_std_pooled=global_mean(high == low),
-                   reward_original=global_mean(originals),
+    # zero variance of q0's own G responses (what plain GRPO meets), then of the pooled groups,
+    # whose advantages group_advantages sets to exactly 0
+    pooled_constant = (pooled_adv.view(len(batch), -1).nan_to_num(0.0) == 0).all(1)
+    metrics.update(sample_metrics(r, rewards[:, 0], parsed, tagged, s),
+                   frac_reward_zero_std_pooled=global_mean(pooled_constant),
+                   reward_original=global_mean(rewards[:, 0]),
                    reward_rephrased=global_mean(r[j_idx > 0]))
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
@@ -805,7 +800,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     advantage per row and loss_parts covering every row (the weights are set before the split)."""
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
-    all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]
+    all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]  # the batch's sampled tokens
     device = next(model.parameters()).device
     micro = [m.to(device) for m in micro_batches(rows, cfg.micro_batch_size)]
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
@@ -840,6 +835,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
             optimizer.zero_grad(set_to_none=True)
     metrics.update(zip(totals, all_reduce(list(totals.values()))))
     metrics["grad_norm"] = float(np.mean(grad_norms))
+    metrics["tokens"] = all_tokens
     return metrics
 
 # -----------------------------------------------------------------------------
