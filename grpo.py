@@ -260,11 +260,10 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
-    """(B, T) weight of each token's loss in the batch loss, TRL's aggregations: grpo, the mean over
-    rows of each row's token mean (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo
-    (arXiv 2503.20783), 1 / (rows * max_completion_length), the padded width if that is None: pass
-    it. num_rows and num_tokens default to this batch's; pass the whole batch's (all micro-batches
-    and ranks; for dr_grpo the nominal rows) to weigh a piece of it: the pieces then add up.
+    """(B, T) weight of each token in the batch loss, as TRL aggregates: grpo, each row's token
+    mean, averaged over rows (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo (arXiv
+    2503.20783), 1 / (rows * max_completion_length, else the padded width). To weigh a piece of a
+    batch (a micro-batch, a rank), pass the whole batch's num_rows and num_tokens: pieces add up.
 
     Rows of 2 and 4 tokens: grpo [1/4, 1/4], [1/8] * 4; dapo 1/6 each; dr_grpo (limit 8) 1/16 each.
     """
@@ -326,9 +325,8 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     return float(correct) + format_reward * shaped, parsed
 
 def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", thought_texts=None):
-    """Rewards (B,), parsed (B,) and tagged (B,: <answer> tags after the thought) of the completions
-    in samples (a Samples, from generate in section 3; decode is there too), each after its
-    thought's text if given (GRPO-MA's answers)."""
+    """(rewards, parsed, tagged), each (B,), of the completions in `samples` (from generate, in
+    section 3); tagged: <answer> tags after the thought. MA's answers follow their thought_texts."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if thought_texts is not None:
         texts = [thought + text for thought, text in zip(thought_texts, texts)]
@@ -441,7 +439,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
         if stop_strings:
-            ended = ended | stop_string_hits(tokenizer, token, active, ended, texts, stop_strings)
+            ended = ended | stop_string_hits(tokenizer, token, active, texts, stop_strings)
         go = ~ended
         active, mask, token = active[go], mask[go], token[go]
         cache.batch_select_indices(go.nonzero().squeeze(1))
@@ -450,18 +448,14 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
     return Samples(ids[:, :C], completion_mask, finished)
 
-def stop_string_hits(tokenizer, token, active, ended, texts: list[str], stop_strings):
-    """(B,) bool: the rows (not ended at EOS) whose text, with this step's token appended to
-    texts[row], now holds a stop string, even when the token carries more text than the string's
-    end (BPE's '><' in '</think><answer>'). One device sync for the step, not one per row."""
+def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
+    """(B,) bool: the rows whose text, with this step's token appended to texts[row], now holds a
+    stop string, also when the token carries text past the string's end ('><' in '</think><')."""
     pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
-    at_eos = ended.tolist()
-    longest = max(map(len, stop_strings))
     hit = []
-    for i, (row, piece) in enumerate(zip(active.tolist(), pieces)):
+    for row, piece in zip(active.tolist(), pieces):
         texts[row] += piece
-        window = texts[row][-(len(piece) + longest):]  # where a new match can be
-        hit.append(not at_eos[i] and any(s in window for s in stop_strings))
+        hit.append(any(s in texts[row] for s in stop_strings))
     return torch.tensor(hit, dtype=torch.bool, device=token.device)
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -584,9 +578,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     </think> is *unclosed*: no answers (NaN rewards, null answer metrics if none closed), value 0,
     its row still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the
     closed ones' answers; P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1 the thoughts (parent
-    -1), rows 2, 3 thought 0's answers (parent 0). Under --ma-weighting parts, J(thoughts) and
-    J(answers) are each a full token mean, summed. Pooled (tokens), the thoughts would get only
-    Lt / (Lt + M La) of the weight under dapo (Lt, La: a thought's, an answer's length)."""
+    -1), rows 2, 3 thought 0's answers (parent 0). Thoughts and answers are two loss parts
+    (--ma-weighting parts: see global_loss_weights) or one (tokens)."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
@@ -634,17 +627,15 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     the context, and anchoring changes the gradient, ∇ log π(o | q0) instead of ∇ log π(o | q_j).
     `rephrased` keeps the prompt that produced the response (the public code)."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
-    questions = []  # per example: q0, then its drawn rephrasings
-    for ex in batch:
-        questions.append([ex["question"]] + rng.sample(ex["rephrasings"],
-                                                       min(N, len(ex["rephrasings"]))))
-    # one row per (question p, phrasing j, sample g), in that order
-    slots = [(p, j, g) for p, qs in enumerate(questions) for j in range(len(qs)) for g in range(G)]
-    p_idx, j_idx, g_idx = torch.tensor(slots).T
     phrasings, first = [], []  # every phrasing's prompt; where each question's q0 is among them
-    for qs in questions:
+    slots = []  # one row per (question p, phrasing j, sample g), in that order
+    for p, ex in enumerate(batch):
+        drawn = rng.sample(ex["rephrasings"], min(N, len(ex["rephrasings"])))
         first.append(len(phrasings))
-        phrasings += [prompt_ids(tokenizer, q, cfg.system_prompt) for q in qs]
+        for j, question in enumerate([ex["question"]] + drawn):
+            phrasings.append(prompt_ids(tokenizer, question, cfg.system_prompt))
+            slots += [(p, j, g) for g in range(G)]
+    p_idx, j_idx, g_idx = torch.tensor(slots).T
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     answers = [batch[p]["answer"] for p in p_idx.tolist()]
@@ -748,12 +739,8 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
         logits = lm_head(h).float() / temperature  # after the cast: bf16 / T would round again
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
     pieces = []
-    for hc, tc in zip(h.split(chunk), t.split(chunk)):
-        if torch.is_grad_enabled():
-            piece = torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False)
-            pieces.append(piece)
-        else:
-            pieces.append(chunk_logps(hc, tc))
+    for hc, tc in zip(h.split(chunk), t.split(chunk)):  # (under no_grad, checkpoint just calls)
+        pieces.append(torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False))
     logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
     logps[keep] = torch.cat(pieces)
     return logps
@@ -773,11 +760,11 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
 
 def global_loss_weights(rows: Rows, loss_type: str):
     """(B, C) each token's weight in J over the global batch (all ranks): aggregation_weights
-    within each of rows.loss_parts (one part, except GRPO-MA's thoughts and answers under
-    --ma-weighting parts), times rows.token_weights (λ-GRPO). dr_grpo divides by a part's nominal
-    rows, what the rollout set out to make however many it made, times its longest allowed
-    completion. GRPO-MA under parts and dapo: a thought token gets 1 / (all thought tokens), an
-    answer token 1 / (all answer tokens)."""
+    within each of rows.loss_parts, times rows.token_weights (λ-GRPO). dr_grpo divides by a part's
+    nominal rows (what the rollout set out to make) times its longest allowed completion.
+    GRPO-MA's thoughts and answers are two parts under --ma-weighting parts: with dapo a thought
+    token gets 1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens),
+    the thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
     weights = torch.zeros(rows.completion_mask.shape)
     for in_part, nominal_rows, max_len in rows.loss_parts:
         mask = rows.completion_mask[in_part]
