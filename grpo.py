@@ -147,15 +147,13 @@ class Config:
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
     """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
     A = (r - group mean) / (std + eps), std unbiased (ddof=1, as TRL); scale="none" skips the
-    division (Dr. GRPO). A group whose rewards are all equal gets exactly 0.
-    NaN rewards mark rows that do not exist (TA's missing rephrasings, MA's unanswered thoughts):
-    they are left out of the statistics and get NaN back.
+    division (Dr. GRPO). A group whose rewards are all equal gets exactly 0. NaN rewards mark rows
+    that do not exist (TA's missing rephrasings, MA's unanswered thoughts): they are left out of
+    the statistics and get NaN back. Without NaN and constant groups this is
+    (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), r of shape (groups, G).
 
-    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)
+    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean 0.25, std 0.5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
-
-    (group 1: mean 0.25, std 0.5, so 0.75/0.5001 and -0.25/0.5001; group 2 is constant: 0.)
-    Without NaN and constant groups this is (r - r.mean(1, keepdim=True)) / (r.std(1) + eps).
     """
     r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
     adv = r - r.nanmean(1, keepdim=True)
@@ -206,15 +204,12 @@ def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0.
-
-    λ(i,t) is the set of completions j in i's group whose tokens 0..t (up to and including t) equal
-    i's and are all unmasked; it counts i itself and exact duplicates. Tokens of a shared prefix are
-    then trained once per prefix instead of once per completion. Rows form groups of `group_size`
-    consecutive rows. Exact and loop-free: compare every pair of rows of a group token by token; a
-    running product turns "equal at t" into "equal up to t". It takes ~4 B * group_size * T bytes.
-    The plain definition it computes: for i, t: count j in i's group with
-    all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]); the weight is 1 / count.
+    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0. Rows form groups of
+    `group_size` consecutive rows. λ(i,t) is the set of completions j in i's group (i itself and
+    exact duplicates included) with all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so
+    the tokens of a shared prefix are trained once per prefix, not once per completion. Loop-free:
+    compare every pair of rows of a group token by token (~4 B * group_size * T bytes); a running
+    product turns "equal at t" into "equal up to t".
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
@@ -346,15 +341,15 @@ def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
-def run_decoder(model, input_ids, attention_mask, cache):
+def run_decoder(model, input_ids, attention_mask, cache=None):
     """The decoder (model.model: no lm_head) over input_ids (B, T) after the L tokens in `cache` (a
-    transformers DynamicCache, grown in place); attention_mask (B, L + T) covers both, with padding
-    (0) anywhere. Returns the last hidden states (B, T, H)."""
+    transformers DynamicCache, grown in place; None: L = 0, no cache); attention_mask (B, L + T)
+    covers both, with padding (0) anywhere. Returns the last hidden states (B, T, H)."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     # cache= is transformers 5.24's name for past_key_values (load_model refuses older versions)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids, use_cache=True, cache=cache)
+                      position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
 @dataclass
@@ -366,9 +361,8 @@ class Prefix:
     last: torch.Tensor   # (B,)
 
     def select(self, index) -> "Prefix":
-        """Rows `index` (long); a repeated index copies a context to several continuations. The
-        cache is reordered in place (a Prefix is continued once). reorder_cache uses index_select,
-        whose backward is deterministic on CPU (k[index]'s is not: seeded runs drifted apart)."""
+        """Rows `index`; a repeated index copies a context to several continuations. Reorders the
+        cache in place, by index_select: its CPU backward is deterministic (k[index]'s is not)."""
         self.cache.reorder_cache(index)
         mask, last = self.mask.index_select(0, index), self.last.index_select(0, index)
         return Prefix(self.cache, mask, last)
@@ -393,13 +387,6 @@ def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
         run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
     return Prefix(cache, mask[:, :-1], ids[:, -1])
 
-def pick(logits, temperature: float, greedy: bool):
-    """Next tokens from (B, V) float32 logits: the argmax, or a draw from softmax(logits / T), what
-    the loss's log-probs see (top-k or top-p would make the ratio not that of the draw)."""
-    if greedy:
-        return logits.argmax(-1)
-    return torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
-
 @dataclass
 class Samples:
     completion_ids: torch.Tensor   # (B, C) right-padded with pad
@@ -409,12 +396,11 @@ class Samples:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
-    """n samples for each prompt (token ids), rows in prompt order, one token per forward pass:
+    """n samples for each prompt (token ids), rows in prompt order, one token per forward pass;
     each prompt is prefilled once and its cache copied to its n rows. A row ends at an EOS token
-    (any of eos_ids), at the length limit, or at the token whose text completes a stop string
-    (GRPO-MA's thoughts); ended rows leave the batch. Only the temperature shapes the draw, not
-    the model's generation config. In eval mode (no dropout, and HF's gradient checkpointing
-    would drop the cache); seed torch first to reproduce a draw."""
+    (any of eos_ids), at the length limit, or at the token whose text completes a stop string;
+    ended rows leave the batch. Only the temperature shapes the draw (not the generation config).
+    Eval mode: no dropout, and HF's gradient checkpointing would drop the cache."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -433,7 +419,11 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
             break
         mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)
         hidden = run_decoder(model, token[:, None], mask, cache)
-        token = pick(model.lm_head(hidden[:, -1]).float(), temperature, greedy)
+        logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
+        if greedy:
+            token = logits.argmax(-1)
+        else:  # softmax(logits / T) is what the loss's log-probs see: no top-k or top-p
+            token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
         ids[active, t] = token
         lengths[active] += 1
         ended = torch.isin(token, eos)
@@ -535,9 +525,9 @@ class LossPart(NamedTuple):
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
 # A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
-# and returns (Rows, metrics). Helpers from section 7, the plumbing: timed adds a block's seconds to
-# metrics; global_mean and all_reduce average and sum over the ranks (in one process: the plain
-# mean and the numbers themselves); rank_and_world, sum_gradients, UserError and finite.
+# and returns (Rows, metrics). From section 7: timed adds a block's seconds to metrics; global_mean
+# and all_reduce average and sum over the ranks (in one process, the plain mean and the numbers);
+# also rank_and_world, sum_gradients, UserError and finite.
 
 def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
     """The metrics of one step's samples, over all ranks; groups: (groups, n) rewards."""
@@ -572,14 +562,12 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, each ending at the token whose text completes </think> (a BPE
-    token can carry more: '><' of '</think><answer>'), then M answers per thought, sampled after the
-    prompt + the thought's tokens, scored on the thought's text + their own. A thought without
-    </think> is *unclosed*: no answers (NaN rewards, null answer metrics if none closed), value 0,
-    its row still trained with its (usually negative) advantage. Rows: the P*K thoughts, then the
-    closed ones' answers; P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1 the thoughts (parent
-    -1), rows 2, 3 thought 0's answers (parent 0). Thoughts and answers are two loss parts
-    (--ma-weighting parts: see global_loss_weights) or one (tokens)."""
+    """GRPO-MA: K thoughts per prompt, each ending at the token whose text completes </think>, then
+    M answers per thought, sampled after the prompt + the thought's tokens and scored on the
+    thought's text + their own. An *unclosed* thought (no </think>) gets no answers (NaN rewards)
+    and value 0, and is still trained with its advantage. Rows: the P*K thoughts, then the closed
+    ones' answers (weights: global_loss_weights). P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1
+    the thoughts (parent -1), rows 2, 3 thought 0's answers (parent 0)."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
     with timed(metrics, "time/sample"):
@@ -621,10 +609,9 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """TA-GRPO: each question q0 with up to N of its rephrasings (drawn afresh each step), G
-    responses to each, scored as they are, advantages normalised jointly over the question's
-    (n+1)*G responses (ragged when n < N). With --ta-anchor original (paper v5) every row's
-    context is q0's prompt, so all log-probs are log π(o | q0): at μ = 1 the ratio is 1 whatever
-    the context, and anchoring changes the gradient, ∇ log π(o | q0) instead of ∇ log π(o | q_j).
+    responses to each, advantages normalised jointly over the question's (n+1)*G responses (ragged
+    when n < N). --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the
+    ratio is 1 either way, but the gradient is ∇ log π(o | q0), not ∇ log π(o | q_j).
     `rephrased` keeps the prompt that produced the response (the public code)."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
     phrasings, first = [], []  # every phrasing's prompt; where each question's q0 is among them
@@ -676,29 +663,26 @@ def flat_logps(model, rows: Rows, temperature: float):
     device = rows.completion_ids.device
     input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
     attention_mask = torch.cat([context_mask.to(device), rows.completion_mask], 1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = run_decoder(model, input_ids, attention_mask)  # (B, L + C, H), no KV cache
     # the one-token shift: position L-1 (the context's last token) predicts completion token 0
     L = context_ids.shape[1]
     return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids,
                        rows.completion_mask, temperature)
 
 def rows_logps(model, rows: Rows, temperature: float):
-    """An optimisation a first read can skip: flat_logps' numbers, each shared context encoded once.
-    Each prompt's cache is copied to the rows that continue it, a GRPO-MA thought's cache on to its
-    answers, and gradients flow back through the copies. A prompt, 2 thoughts, 2 answers each:
+    """flat_logps' numbers, each shared context encoded once (an optimisation a first read can
+    skip): a prompt's cache is copied to its rows, a GRPO-MA thought's on to its answers, and
+    gradients flow back through the copies. A prompt, 2 thoughts, 2 answers each:
 
         level  rows                   input                 cache (a Prefix)      targets
         0      prompt p1 p2 p3        p1 p2                 -                     -
         1      th0, th1               p3, th_k[:-1]         p1 p2 (copied)        th_k
         2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
 
-    At each level the cache holds every context token but the last, which is the first input: the
-    one-token shift. A thought of 3 tokens a b c in a level of width 5: input [p3 a b c pad], mask
-    [1 1 1 0 0] (target c's input, b, is the last real one), so the cache keeps p3 a b and c becomes
-    its answers' first input. Padding holes in a cache are masked, positions count real tokens
-    only, and only GRPO-MA has a second level. Equal to flat_logps up to float rounding."""
+    At each level the cache holds every context token but the last, which is the first input (the
+    one-token shift). A thought a b c in a level 5 wide: input [p3 a b c pad], mask [1 1 1 0 0]
+    (c's input, b, is the last real one), so the cache keeps p3 a b and c is its answers' first
+    input. Padding holes in a cache are masked, and positions count real tokens only."""
     B, C = rows.completion_ids.shape
     ids, cmask, parent = rows.completion_ids, rows.completion_mask, rows.parent
     device = ids.device
@@ -778,13 +762,10 @@ def global_loss_weights(rows: Rows, loss_type: str):
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
-    token's loss is weighted by its share of J in the global batch, so the losses of the
-    micro-batches, and of the ranks (gradients are summed over them), add up to the batch's.
-    The model is in train mode here and in eval mode when sampling: the same policy only without
-    dropout, which these models do not use in fine-tuning. A non-finite gradient stops the run.
-    To change it: a per-token reward is Rows.advantages of shape (B, C); a new loss is a change to
-    policy_loss only; flat_logps gives rows_logps' numbers plainly. Rows must hold a finite
-    advantage per row and loss_parts covering every row (the weights are set before the split)."""
+    token's loss is weighted by its share of J in the global batch, so the micro-batches' and the
+    ranks' losses add up to the batch's. Sampling ran in eval mode, this runs in train mode: the
+    same policy without dropout, which these models do not use in fine-tuning. A new loss is a
+    change to policy_loss only; a per-token reward is Rows.advantages of shape (B, C)."""
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]  # the batch's sampled tokens
