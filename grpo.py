@@ -23,7 +23,8 @@ reference, exp(ref - logp) - (ref - logp) - 1):
           (the mean reward of th_k's answers) normalised over the K, r_kj over all K*M;
           J = J(thoughts) + J(answers), each aggregated on its own (--ma-weighting parts).
   ta      TA-GRPO (arXiv 2601.22478): q0 and N rephrasings, G samples each, normalised jointly
-          over the (N+1) G responses; J as for grpo, with ρ and ∇ log π taken as π(o | q0).
+          over the (N+1) G responses; J as for the grpo variant (any --loss-type), with ρ and
+          ∇ log π taken as π(o | q0).
 
 The default run is on-policy (μ = --num-iterations = 1): each batch makes one step, so π_old = π,
 ρ = 1, nothing is clipped and the gradient is the policy gradient A ∇ log π. `--num-iterations 2`
@@ -208,18 +209,18 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     `group_size` consecutive rows. λ(i,t) is the set of completions j in i's group (i itself and
     exact duplicates included) with all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so
     the tokens of a shared prefix are trained once per prefix, not once per completion. Loop-free:
-    compare every pair of rows of a group token by token (~4 B * group_size * T bytes); a running
-    product turns "equal at t" into "equal up to t".
+    compare every pair of rows of a group token by token (about 4·B·G·T bytes for B rows, G =
+    group_size); a running product turns "equal at t" into "equal up to t".
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
     """
     B, T = completion_ids.shape
-    ids = completion_ids.view(-1, group_size, T)  # (groups, G, T)
-    mask = completion_mask.view(-1, group_size, T).bool()
+    ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
+    mask = completion_mask.reshape(-1, group_size, T).bool()
     same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T)
     counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)  # |λ(i,t)|, (groups, G, T)
-    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).view(B, T)
+    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, T)
 
 # -----------------------------------------------------------------------------
 # The loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
@@ -231,8 +232,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
     with ρ = exp(logp - old) and ε_high = ε when 0. At μ = 1, old = logp.detach(): ρ is 1 and no
     token is clipped, but ρ's gradient is logp's, so the gradient is the policy gradient.
-    The loss is Σ loss_weights * per-token loss. aggregation_weights(completion_mask, loss_type)
-    gives TRL's losses; times lambda_weights, λ-GRPO's. advantages: (B,), or (B, T) per token.
+    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask.
+    aggregation_weights(completion_mask, loss_type) gives TRL's losses; times lambda_weights,
+    λ-GRPO's. advantages: (B,), or (B, T) per token.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -251,7 +253,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
-    return (loss * loss_weights).sum(), metrics
+    return (loss * loss_weights * mask).sum(), metrics
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
@@ -469,7 +471,7 @@ class Rows:
     the thought row in between) so that a shared context is encoded once."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
-    parent: torch.Tensor           # (B,) the row between prompt and this row (an MA thought), or -1
+    parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
@@ -548,13 +550,13 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     answers = [ex["answer"] for ex in batch for _ in range(G)]
     rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
-    weights = lambda_weights(ids, mask, G)  # logged for grpo too: how much completions share
+    inv_lambda = lambda_weights(ids, mask, G)  # 1/|λ|, logged for grpo too: how much rows share
     on = mask.bool()
     metrics.update(sample_metrics(rewards, rewards.view(-1, G), parsed, tagged, s),
-                   lambda_mean=global_mean(1 / weights[on]),      # mean |λ| over tokens
-                   lambda_shared=global_mean(weights[on] < 1))    # share of tokens with |λ| > 1
+                   lambda_mean=global_mean(1 / inv_lambda[on]),      # mean |λ| over tokens
+                   lambda_shared=global_mean(inv_lambda[on] < 1))    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
-    token_weights = weights if cfg.variant == "lambda" else None
+    token_weights = inv_lambda if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
     every = torch.ones(len(ids), dtype=torch.bool)
     rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards,
@@ -680,21 +682,22 @@ def rows_logps(model, rows: Rows, temperature: float):
         2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
 
     At each level the cache holds every context token but the last, which is the first input (the
-    one-token shift). A thought a b c in a level 5 wide: input [p3 a b c pad], mask [1 1 1 0 0]
-    (c's input, b, is the last real one), so the cache keeps p3 a b and c is its answers' first
-    input. Padding holes in a cache are masked, and positions count real tokens only."""
+    one-token shift). A thought a b c in a level 5 wide: targets [a b c . .], inputs [p3 a b c .],
+    mask [1 1 1 0 0]: inputs p3 a b are real and predict a b c; input c is masked, so the cache
+    keeps p3 a b and c becomes its answers' first input (Prefix.last). Padding holes in a cache are
+    masked, and positions count real tokens only."""
     B, C = rows.completion_ids.shape
     ids, cmask, parent = rows.completion_ids, rows.completion_mask, rows.parent
     device = ids.device
     logps = torch.zeros(B, C, device=device)
     prefix = prefill(model, rows.prompts, 0)
-    # invariant: prefix row r holds a context, all but its last token cached; context_row[i] is
+    # invariant: prefix row r holds a context, all but its last token cached; prefix_row[i] is
     # the prefix row that is row i's context
     in_level = parent < 0  # the rows that continue a prompt directly, then their children
-    context_row = rows.prompt_index
+    prefix_row = rows.prompt_index
     while in_level.any():
         idx = in_level.nonzero().squeeze(1)
-        ctx = prefix.select(context_row[idx])
+        ctx = prefix.select(prefix_row[idx])  # (reorders prefix.cache in place: prefix is used up)
         n = int(cmask[idx].sum(1).max())
         target, target_mask = ids[idx, :n], cmask[idx, :n]
         x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
@@ -708,7 +711,7 @@ def rows_logps(model, rows: Rows, temperature: float):
         row_in_prefix = torch.full((B,), -1, dtype=torch.long, device=device)
         row_in_prefix[idx] = torch.arange(len(idx), device=device)
         in_level = torch.isin(parent, idx)  # the children of this level's rows
-        context_row = row_in_prefix[parent.clamp(min=0)]
+        prefix_row = row_in_prefix[parent.clamp(min=0)]  # read only where in_level (else junk)
     return logps
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
@@ -731,7 +734,9 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
 
 def micro_batches(rows: Rows, size: int) -> list[Rows]:
     """Split rows into micro-batches of about `size` rows. A GRPO-MA thought stays in the same
-    micro-batch as its answers, which reuse its cache."""
+    micro-batch as its answers, which reuse its cache (one level of children, as GRPO-MA has)."""
+    parents = rows.parent[rows.parent >= 0]
+    assert (rows.parent[parents] < 0).all(), "a parent row must continue its prompt directly"
     batches, current = [], []
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
@@ -815,11 +820,11 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     t_step = time.perf_counter()
     rank, W = rank_and_world()
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+    data_rng = random.Random(cfg.seed * 1_000_003 + step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
     # every rank takes the same number of whole groups (a data file smaller than P leaves fewer)
     P = min(cfg.prompts_per_step, len(examples) // W * W)
-    batch = rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
+    batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
@@ -843,7 +848,7 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
                       "advantage": rows.advantages[i].mean().item()}
         if rows.token_weights is not None:
             on = rows.completion_mask[i].bool()
-            entries[i]["lambda_weight"] = rows.token_weights[i][on].mean().item()
+            entries[i]["inv_lambda"] = rows.token_weights[i][on].mean().item()
         if rows.parent[i] >= 0:  # an answer: listed under its thought
             entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
         else:
@@ -853,7 +858,7 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
         f.write(json.dumps(finite(record), allow_nan=False) + "\n")
     lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
     for c in completions:
-        extra = f"  1/|λ| {c['lambda_weight']:.2f}" if "lambda_weight" in c else ""
+        extra = f"  1/|λ| {c['inv_lambda']:.2f}" if "inv_lambda" in c else ""
         lines.append(f"  {c['reward']:6.2f}  {c['advantage']:+9.2f}  {c['text'][:60]!r}{extra}")
         for a in c.get("answers", []):
             lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")

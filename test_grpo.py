@@ -971,7 +971,7 @@ def test_log_completions_shows_one_group_as_text(variant, tmp_path, capsys):
     for r in records:
         assert r["question"] in train
         if variant == "lambda":  # G rows, each with 0 < mean 1/|λ| <= 1, advantages of a group: they sum to 0
-            assert len(r["completions"]) == 3 and all(0 < c["lambda_weight"] <= 1 for c in r["completions"])
+            assert len(r["completions"]) == 3 and all(0 < c["inv_lambda"] <= 1 for c in r["completions"])
             assert abs(sum(c["advantage"] for c in r["completions"])) < 1e-4
         else:  # K thoughts; a closed one carries its M answers, and its reward is their mean (its value V)
             assert len(r["completions"]) == 2
