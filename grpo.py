@@ -24,7 +24,7 @@ reference, exp(ref - logp) - (ref - logp) - 1):
           J = J(thoughts) + J(answers), each aggregated on its own (--ma-weighting parts).
   ta      TA-GRPO (arXiv 2601.22478): q0 and N rephrasings, G samples each, normalised jointly
           over the (N+1) G responses; J as for the grpo variant (any --loss-type), with ρ and
-          ∇ log π taken as π(o | q0).
+          ∇ log π taken as π(o | q0) (--ta-anchor rephrased: π(o | q_j), as the public code).
 
 The default run is on-policy (μ = --num-iterations = 1): each batch makes one step, so π_old = π,
 ρ = 1, nothing is clipped and the gradient is the policy gradient A ∇ log π. `--num-iterations 2`
@@ -43,7 +43,7 @@ One training step (train_step, then update) in pseudocode:
     repeat μ times:
         for m in micro:
             logps = rows_logps(model, m, T)                         # log π(o_t | context, o_<t)
-            loss, _ = policy_loss(logps, old_logps or logps.detach(), ..., m.loss_weights)
+            loss, _ = policy_loss(logps, old_logps[j] if μ > 1 else logps.detach(), ...)
             loss.backward()                                         # the losses sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
 
@@ -57,7 +57,8 @@ unclosed thoughts get no answers and value 0, and its thought/answer weighting i
 paper does not publish one); TA-GRPO's rephrasings come from the data file, not GPT-4-Turbo; the
 learning rate warms up linearly and then stays constant.
 
-Sections 1-6 are the algorithm, in the order a first read wants them; section 7 is plumbing.
+Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~370
+lines) is plumbing a first read can skip.
 """
 
 import contextlib
@@ -232,9 +233,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
     with ρ = exp(logp - old) and ε_high = ε when 0. At μ = 1, old = logp.detach(): ρ is 1 and no
     token is clipped, but ρ's gradient is logp's, so the gradient is the policy gradient.
-    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask.
-    aggregation_weights(completion_mask, loss_type) gives TRL's losses; times lambda_weights,
-    λ-GRPO's. advantages: (B,), or (B, T) per token.
+    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask, e.g. for one
+    batch: w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G) (λ-GRPO's loss);
+    policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -253,7 +254,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
-    return (loss * loss_weights * mask).sum(), metrics
+    # where, not * mask: a NaN off the mask (an absent row's advantage) must not reach the sum
+    return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
@@ -596,7 +598,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
     prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
     parent = torch.cat([torch.full((P * K,), -1), answer_parent])
-    metrics.update(sample_metrics(values, values, parsed, tagged, ans),  # lengths: the answers'
+    # reward and zero variance: the thought values'; lengths, truncated, format: the answers'
+    metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
                    answer_reward=global_mean(answer_rewards),
                    unclosed_thoughts=1 - global_mean(closed),
                    thought_length=global_mean(th_mask.sum(1).float()))
@@ -769,8 +772,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
     token's loss is weighted by its share of J in the global batch, so the micro-batches' and the
     ranks' losses add up to the batch's. Sampling ran in eval mode, this runs in train mode: the
-    same policy without dropout, which these models do not use in fine-tuning. A new loss is a
-    change to policy_loss only; a per-token reward is Rows.advantages of shape (B, C)."""
+    same policy without dropout (Qwen2/3 and Llama configs set it to 0). A new loss is a change to
+    policy_loss only; per-token advantages are Rows.advantages of shape (B, C)."""
     metrics = {}
     rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
     all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]  # the batch's sampled tokens
@@ -840,10 +843,10 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     """--log-completions: the rows of the batch's first prompt (GRPO-MA: thoughts with their
     answers; TA under --ta-anchor rephrased: q0's G only) with reward, advantage and (λ-GRPO) mean
     1/|λ|, in completions.jsonl and a table."""
-    first = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
-    texts = decode(tokenizer, rows.completion_ids[first], rows.completion_mask[first])
+    shown = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
+    texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     entries, completions = {}, []
-    for i, text in zip(first, texts):
+    for i, text in zip(shown, texts):
         entries[i] = {"text": text, "reward": rows.rewards[i].item(),
                       "advantage": rows.advantages[i].mean().item()}
         if rows.token_weights is not None:
@@ -869,9 +872,9 @@ def train(cfg: Config) -> dict:
     Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it
     (after the step in progress and its eval). Setup, loading and saving are in section 7."""
     rank, device = setup_distributed(cfg)
+    examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
-    examples, test_examples = load_data(cfg, tokenizer, model.config.max_position_embeddings)
     start = state["step"] if state else 0
     out, main_rank = Path(cfg.out), rank == 0
     if checkpoint and start == cfg.steps and (out / "summary.json").exists():  # a requeue
@@ -1079,7 +1082,7 @@ def parse_example(line: bytes) -> dict:
     return example
 
 def load_jsonl(path) -> list[dict]:
-    """A data file's examples, each with its 'where' (file:line); a bad line stops the run."""
+    """A data file's examples; a bad line stops the run with its file:line."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such data file")
@@ -1091,27 +1094,17 @@ def load_jsonl(path) -> list[dict]:
             example = parse_example(line)
         except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             raise UserError(f"{path}:{number}: {reason(e)}") from None
-        example["where"] = f"{path}:{number}"
         examples.append(example)
     if not examples:
         raise UserError(f"{path}: no examples")
     return examples
 
-def load_data(cfg: Config, tokenizer, max_positions: int) -> tuple[list[dict], list[dict]]:
-    """The training examples and the held-out ones (the first --eval-limit), checked: TA needs
-    rephrasings, and a prompt and its completion budget may not run past the model's positions."""
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The training examples and the first --eval-limit held-out ones; TA needs rephrasings."""
     examples = load_jsonl(cfg.data)
     test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
     if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
         raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
-    budget = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    for ex in examples + test_examples:
-        for question in [ex["question"]] + (ex["rephrasings"] if cfg.variant == "ta" else []):
-            n = len(prompt_ids(tokenizer, question, cfg.system_prompt))
-            if n + budget > max_positions:
-                raise UserError(f"{ex['where']}: a prompt of {n} tokens + {budget} new tokens "
-                                f"exceeds the model's {max_positions} positions; shorten the "
-                                f"question or lower --max-new-tokens")
     return examples, test_examples
 
 # -----------------------------------------------------------------------------
@@ -1191,8 +1184,6 @@ def prepare_out(cfg: Config) -> Path | None:
     """The checkpoint to continue from, or None to start. A folder holding a run is continued
     (--resume) or replaced (--overwrite), never reused; --resume without a checkpoint starts."""
     out = Path(cfg.out)
-    if out.is_file():
-        raise UserError(f"--out {out}: is a file, not a folder")
     found = checkpoints(out)
     if cfg.resume and found:
         return found[-1]

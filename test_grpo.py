@@ -1019,9 +1019,11 @@ def test_bad_files_stop_with_one_line(case, tmp_path):
     else:
         (tmp_path / "file").write_text("x")
         out = str(tmp_path / "file") if case == "out is a file" else str(tmp_path / "file" / "run")
-        expected = f"--out {out}: is a file, not a folder" if case == "out is a file" else f"--out {out}: cannot write"
+        expected = f"--out {out}: cannot write there"  # (File exists) or (Not a directory)
     stop = run("--data", data, "--model", model, "--out", out, "--steps", "1")
     assert stop.startswith("grpo.py: error: ") and expected in stop and "\n" not in stop, stop
+    if case == "non-utf8":  # the data is read first: no model loaded, no run folder made
+        assert not Path(out).exists()
 
 
 def unusable_model(tmp_path, case):
@@ -1088,8 +1090,8 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_passes_its_checks(tmp_pat
     out = tmp_path / "run"
     grpo.main(SMALL + ["--out", str(out), "--steps", "2"])
     before = sorted(p.name for p in out.iterdir())
-    stop = run(*SMALL, "--out", str(out), "--steps", "2", "--overwrite", "--max-new-tokens", "250")
-    assert "exceeds the model's 256 positions" in stop and sorted(p.name for p in out.iterdir()) == before
+    stop = run(*SMALL, "--out", str(out), "--steps", "2", "--overwrite", "--model", str(tmp_path / "none"))
+    assert "no such folder" in stop and sorted(p.name for p in out.iterdir()) == before
     assert run(*SMALL, "--out", str(out), "--steps", "1", "--overwrite") is None
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
 
@@ -1746,17 +1748,6 @@ def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
         samples.append(grpo.generate(model, tok, prompts, 8, 12, temperature=0.9))
     assert torch.equal(samples[0].completion_ids, samples[1].completion_ids)
     assert torch.equal(samples[0].completion_mask, samples[1].completion_mask)
-
-
-def test_prompt_longer_than_the_model_stops_before_training(tmp_path):
-    long = "what is " + "very " * 40 + "12 plus 34?"  # the tiny model has 256 positions
-    data = write(tmp_path, "long.jsonl", '{"question": "1+1=", "answer": "2"}\n' + json.dumps(
-        {"question": long, "answer": "46"}) + "\n")
-    stop = run("--data", data, "--out", str(tmp_path / "out"))
-    assert f"{data}:2: a prompt of " in stop and "+ 32 new tokens" in stop and "256 positions" in stop
-    assert "\n" not in stop
-    stop = run("--test-data", data, "--variant", "ma", "--out", str(tmp_path / "out"))
-    assert f"{data}:2:" in stop and "+ 56 new tokens" in stop  # ma: thought + answer budget
 
 
 # -----------------------------------------------------------------------------
