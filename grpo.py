@@ -470,7 +470,9 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 @dataclass
 class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
-    the thought row in between) so that a shared context is encoded once."""
+    the thought row in between) so that a shared context is encoded once. What update() needs from
+    a rollout: a finite advantage per row; parent -1, or a row whose parent is -1 (one level); and
+    loss_parts that cover every row once (LossPart says what dr_grpo needs of each part)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
