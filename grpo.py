@@ -690,34 +690,36 @@ def rows_logps(model, rows: Rows, temperature: float):
     one-token shift). A thought a b c in a level 5 wide: targets [a b c . .], inputs [p3 a b c .],
     mask [1 1 1 0 0]: inputs p3 a b are real and predict a b c; input c is masked, so the cache
     keeps p3 a b and c becomes its answers' first input (Prefix.last). Padding holes in a cache are
-    masked, and positions count real tokens only."""
+    masked, and positions count real tokens only. Levels 1 and 2 are each one continue_rows."""
     B, C = rows.completion_ids.shape
-    ids, cmask, parent = rows.completion_ids, rows.completion_mask, rows.parent
-    device = ids.device
+    device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
-    prefix = prefill(model, rows.prompts, 0)
-    # invariant: prefix row r holds a context, all but its last token cached; prefix_row[i] is
-    # the prefix row that is row i's context
-    in_level = parent < 0  # the rows that continue a prompt directly, then their children
-    prefix_row = rows.prompt_index
-    while in_level.any():
-        idx = in_level.nonzero().squeeze(1)
-        ctx = prefix.select(prefix_row[idx])  # (reorders prefix.cache in place: prefix is used up)
-        n = int(cmask[idx].sum(1).max())
-        target, target_mask = ids[idx, :n], cmask[idx, :n]
-        x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-        # x[:, t] is real where target t is: the cache then holds all but each row's last token,
-        # which is the children's first input (their Prefix.last)
-        attn = torch.cat([ctx.mask, target_mask], 1)
-        hidden = run_decoder(model, x, attn, ctx.cache)
-        logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-        last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each last token
-        prefix = Prefix(ctx.cache, attn, last)  # the children's contexts, one per row of idx
-        row_in_prefix = torch.full((B,), -1, dtype=torch.long, device=device)
-        row_in_prefix[idx] = torch.arange(len(idx), device=device)
-        in_level = torch.isin(parent, idx)  # the children of this level's rows
-        prefix_row = row_in_prefix[parent.clamp(min=0)]  # read only where in_level (else junk)
+    prompts = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
+    top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
+    ctx = prompts.select(rows.prompt_index[top])  # (select reorders the cache in place)
+    after_top = continue_rows(model, ctx, rows, top, logps, temperature)
+    answers = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
+    if len(answers):
+        slot = torch.full((B,), -1, dtype=torch.long, device=device)
+        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
+        assert (slot[rows.parent[answers]] >= 0).all(), "a parent row must continue its prompt"
+        ctx = after_top.select(slot[rows.parent[answers]])
+        continue_rows(model, ctx, rows, answers, logps, temperature)
     return logps
+
+def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
+    """rows_logps' step: write into logps the log-probs of rows idx, each after its context in ctx,
+    and return the contexts that end with those rows, ready for their children."""
+    n = int(rows.completion_mask[idx].sum(1).max())
+    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
+    x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
+    # x[:, t] is real where target t is: the cache then holds all but each row's last token,
+    # which is the children's first input (their Prefix.last)
+    attn = torch.cat([ctx.mask, target_mask], 1)
+    hidden = run_decoder(model, x, attn, ctx.cache)
+    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
+    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
+    return Prefix(ctx.cache, attn, last)
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1 (else 0), hidden
@@ -739,9 +741,7 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
 
 def micro_batches(rows: Rows, size: int) -> list[Rows]:
     """Split rows into micro-batches of about `size` rows. A GRPO-MA thought stays in the same
-    micro-batch as its answers, which reuse its cache (one level of children, as GRPO-MA has)."""
-    parents = rows.parent[rows.parent >= 0]
-    assert (rows.parent[parents] < 0).all(), "a parent row must continue its prompt directly"
+    micro-batch as its answers, which reuse its cache."""
     batches, current = [], []
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
