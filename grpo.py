@@ -211,7 +211,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     exact duplicates included) with all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so
     the tokens of a shared prefix are trained once per prefix, not once per completion. Loop-free:
     compare every pair of rows of a group token by token (about 4·B·G·T bytes for B rows, G =
-    group_size); a running product turns "equal at t" into "equal up to t".
+    group_size); a running product turns "equal at t" into "equal up to t". They multiply the
+    per-token loss (policy and KL), not the normaliser: aggregation_weights * lambda_weights.
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
@@ -239,6 +240,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    adv = torch.where(mask.bool(), adv, 0.0)  # (B, T); a NaN off the mask gets no gradient either
     epsilon_high = epsilon_high or epsilon
     ratio = torch.exp(per_token_logps - old_per_token_logps)
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
@@ -254,7 +256,6 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
-    # where, not * mask: a NaN off the mask (an absent row's advantage) must not reach the sum
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
@@ -337,6 +338,7 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", t
 
 # -----------------------------------------------------------------------------
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
+# A first read needs only generate(): n samples per prompt, returned as Samples.
 
 def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
     """A question (with the system prompt) chat-templated into token ids, generation prompt on."""
@@ -364,12 +366,12 @@ class Prefix:
     mask: torch.Tensor   # (B, L) 1 where the cache holds a real token, 0 for padding
     last: torch.Tensor   # (B,)
 
-    def select(self, index) -> "Prefix":
-        """Rows `index`; a repeated index copies a context to several continuations. Reorders the
-        cache in place, by index_select: its CPU backward is deterministic (k[index]'s is not)."""
+    def reorder(self, index):
+        """In place, as the DynamicCache it holds: keep rows `index`, a repeated index copying a
+        context to several continuations. index_select: its CPU backward is deterministic."""
         self.cache.reorder_cache(index)
-        mask, last = self.mask.index_select(0, index), self.last.index_select(0, index)
-        return Prefix(self.cache, mask, last)
+        self.mask = self.mask.index_select(0, index)
+        self.last = self.last.index_select(0, index)
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
@@ -409,7 +411,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     model.eval()
     device = next(model.parameters()).device
     prefix = prefill(model, prompts, tokenizer.pad_token_id)
-    prefix = prefix.select(torch.arange(len(prompts), device=device).repeat_interleave(n))
+    prefix.reorder(torch.arange(len(prompts), device=device).repeat_interleave(n))  # n rows each
     eos = torch.tensor(eos_ids(model, tokenizer), device=device)
     B = len(prefix.last)
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
@@ -585,6 +587,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         closed_rows = closed.nonzero().squeeze(1).tolist()
         contexts = [prompts[k // K] + th_ids[k][th_mask[k].bool()].tolist() for k in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
+    # generate's rows are prompt-major: thought k of prompt p is row p*K + k, so prompt = row // K
     parents = [k for k in closed_rows for _ in range(M)]  # each answer's thought row
     answer_parent = torch.tensor(parents, dtype=torch.long)
     answers = [batch[k // K]["answer"] for k in parents]
@@ -619,7 +622,9 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     responses to each, advantages normalised jointly over the question's (n+1)*G responses (ragged
     when n < N). --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the
     ratio is 1 either way, but the gradient is ∇ log π(o | q0), not ∇ log π(o | q_j).
-    `rephrased` keeps the prompt that produced the response (the public code)."""
+    `rephrased` keeps the prompt that produced the response (the public code). Rows: per question
+    p, per phrasing j (0 = q0), G samples; N = 2, G = 2 and one rephrasing drawn: rows (p, j, g) =
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), and rewards[0, 2] (the missing one) stays NaN."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
     phrasings, first = [], []  # every phrasing's prompt; where each question's q0 is among them
     slots = []  # one row per (question p, phrasing j, sample g), in that order
@@ -696,15 +701,15 @@ def rows_logps(model, rows: Rows, temperature: float):
     logps = torch.zeros(B, C, device=device)
     prompts = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
     top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
-    ctx = prompts.select(rows.prompt_index[top])  # (select reorders the cache in place)
-    after_top = continue_rows(model, ctx, rows, top, logps, temperature)
+    prompts.reorder(rows.prompt_index[top])  # one context per top row
+    after_top = continue_rows(model, prompts, rows, top, logps, temperature)
     answers = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
     if len(answers):
         slot = torch.full((B,), -1, dtype=torch.long, device=device)
         slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
         assert (slot[rows.parent[answers]] >= 0).all(), "a parent row must continue its prompt"
-        ctx = after_top.select(slot[rows.parent[answers]])
-        continue_rows(model, ctx, rows, answers, logps, temperature)
+        after_top.reorder(slot[rows.parent[answers]])  # one context per answer: its thought's
+        continue_rows(model, after_top, rows, answers, logps, temperature)
     return logps
 
 def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
@@ -759,6 +764,7 @@ def global_loss_weights(rows: Rows, loss_type: str):
     GRPO-MA's thoughts and answers are two parts under --ma-weighting parts: with dapo a thought
     token gets 1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens),
     the thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
+    assert rows.loss_parts is not None, "the rollout sets loss_parts (Rows.select drops them)"
     weights = torch.zeros(rows.completion_mask.shape)
     for in_part, nominal_rows, max_len in rows.loss_parts:
         mask = rows.completion_mask[in_part]
