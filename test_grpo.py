@@ -295,7 +295,6 @@ class ScriptedLM(torch.nn.Module):
             full = torch.cat([seen, input_ids], 1)  # (B, L + T) every id, padding included
             T, hidden = input_ids.shape[1], torch.zeros(*input_ids.shape, 1)
             for b in range(len(full)):
-                real = [int(x) for x, m in zip(full[b], attention_mask[b]) if m]
                 for t in range(T):
                     if attention_mask[b, full.shape[1] - T + t]:
                         history = [int(x) for x, m in zip(full[b, :full.shape[1] - T + t + 1],
@@ -2036,7 +2035,7 @@ def test_bench_logps_memory(request):
     """Peak extra memory (GiB) of the log-prob pass at the real Qwen2 vocabulary, B = 16, T = 512."""
     import subprocess
     import sys
-    print(f"\nQwen2 config, vocab 151,936, hidden 896, 2 layers, B=16, T=512 (completion 256), float32, CPU")
+    print("\nQwen2 config, vocab 151,936, hidden 896, 2 layers, B=16, T=512 (completion 256), float32, CPU")
     for grad in ("no-grad", "grad"):
         peaks = {m: float(subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, m, grad], capture_output=True,
                                          text=True, cwd=HERE, check=True).stdout.split()[-1])
