@@ -885,10 +885,10 @@ def train(cfg: Config) -> dict:
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
     start = state["step"] if state else 0
     out, main_rank = Path(cfg.out), rank == 0
-    if checkpoint and start == cfg.steps and (out / "summary.json").exists():  # a requeue
+    if checkpoint and start == cfg.steps:  # a requeue of a finished run: only the summary is redone
         if main_rank:
-            print(f"grpo.py: the run in {out} finished at step {start}; nothing to do")
-        return json.loads((out / "summary.json").read_text())
+            print(f"grpo.py: the run in {out} finished at step {start}; nothing to train")
+        return report(cfg, 0.0) if main_rank else None
     log = open_logs(out, state) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -1048,7 +1048,9 @@ def parse_args(argv=None) -> Config:
     """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
     parser = HfArgumentParser(Config, description="GRPO and variants in one file.")
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
-    (cfg,) = parser.parse_args_into_dataclasses(argv)
+    cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     for f in fields(Config):
         value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if f.type is float and not math.isfinite(value):
@@ -1236,8 +1238,9 @@ def open_logs(out: Path, state: dict | None):
             else:
                 path.unlink()
     else:
-        for name, size in state["logs"].items():
+        for name in LOGS:  # a log the checkpoint did not see (no size) is cut to nothing
             if (out / name).exists():
+                size = state["logs"].get(name, 0)
                 os.truncate(out / name, min(size, (out / name).stat().st_size))
     return open(out / "metrics.jsonl", "a")
 

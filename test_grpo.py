@@ -693,6 +693,7 @@ def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
 
 @pytest.mark.parametrize("flags,message", [
     (["--variant", "ppo"], "argument --variant: invalid choice: 'ppo'"),
+    (["--num-gens", "4"], "unrecognized arguments: --num-gens 4"),
     (["--num-generations", "1"], "--num-generations must be >= 2, got 1"),
     (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
@@ -942,7 +943,8 @@ def test_a_run_folder_is_protected_and_resumes_check_their_flags(tmp_path):
 def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, uninterrupted, capsys):
     """A scheduler requeues a job with the same command: --resume starts the run when --out holds none (here
     after a kill before the first checkpoint left a metrics line), and a requeue of the finished run exits 0
-    without work, also when a kill came after the last checkpoint but before the summary."""
+    without training and rewrites the summary from the logs: also when a kill came after the last checkpoint
+    but before the summary, or while the summary was written, or left an older run's summary."""
     out = tmp_path / "run"
     command = SMALL + ["--out", str(out), "--steps", "5", "--resume"]
     out.mkdir()
@@ -951,11 +953,20 @@ def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, uninter
     assert_same_run(out, uninterrupted)
     metrics = (out / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert grpo.main(command) == first
-    assert "finished at step 5; nothing to do" in capsys.readouterr().out
+    def without_wall(summary):
+        return {k: v for k, v in summary.items() if k != "wall_s"}
+    assert without_wall(grpo.main(command)) == without_wall(first)
+    assert "finished at step 5; nothing to train" in capsys.readouterr().out
     assert (out / "metrics.jsonl").read_text() == metrics
-    (out / "summary.json").unlink()
-    grpo.main(command)  # completes the run: the final eval again (the same numbers) and the summary
+    for damage in ("missing", "cut short", "an older run's"):
+        if damage == "missing":
+            (out / "summary.json").unlink()
+        elif damage == "cut short":
+            (out / "summary.json").write_text('{"variant": "grpo", "steps": ')
+        else:
+            (out / "summary.json").write_text(json.dumps({**first, "steps": 3, "after": first["before"]}))
+        assert without_wall(grpo.main(command)) == without_wall(first), damage
+        assert without_wall(json.loads((out / "summary.json").read_text())) == without_wall(first)
     assert_same_run(out, uninterrupted)
 
 
@@ -1083,6 +1094,19 @@ def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path):
     assert all(l["lr"] != 0.5 for l in lines if "lr" in l)
     records = [json.loads(l) for l in completions.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and "made up" not in completions.read_text()
+
+
+def test_resume_cuts_a_log_the_checkpoint_did_not_see(tmp_path):
+    """completions.jsonl is first written at step 2 (--log-completions 2), after checkpoint-1: a kill after that
+    write and before checkpoint-2 leaves a line that the resumed run must not keep (it logs step 2 again)."""
+    out = tmp_path / "run"
+    flags = SMALL + ["--out", str(out), "--eval-every", "0", "--log-completions", "2", "--save-every", "1"]
+    grpo.main(flags + ["--steps", "1"])
+    assert not (out / "completions.jsonl").exists()
+    (out / "completions.jsonl").write_text('{"step": 2, "question": "made up"}\n')
+    grpo.main(flags + ["--steps", "2", "--resume"])
+    records = [json.loads(l) for l in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2] and "made up" not in (out / "completions.jsonl").read_text()
 
 
 def test_overwrite_keeps_the_old_run_until_the_new_one_passes_its_checks(tmp_path):
