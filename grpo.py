@@ -333,8 +333,9 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", t
     finished = samples.finished.tolist()
     scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
     tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
-    rewards = torch.tensor([r for r, _ in scored])
-    return rewards, torch.tensor([p for _, p in scored]), torch.tensor(tagged)
+    rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
+    parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
+    return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
 
 # -----------------------------------------------------------------------------
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
@@ -533,17 +534,15 @@ class LossPart(NamedTuple):
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
 # A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
-# and returns (Rows, metrics). From section 7: timed adds a block's seconds to metrics; global_mean
-# and all_reduce average and sum over the ranks (in one process, the plain mean and the numbers);
-# also rank_and_world, sum_gradients, UserError and finite.
+# and returns (Rows, metrics): a metric that is a tensor is logged as the mean of its elements
+# over all ranks (train_step's global_means). From section 7: timed adds a block's seconds to
+# metrics; all_reduce sums over the ranks; rank_and_world, sum_gradients, UserError and finite.
 
 def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
-    """The metrics of one step's samples, over all ranks; groups: (groups, n) rewards."""
-    return {"reward": global_mean(rewards),
-            "frac_reward_zero_std": global_mean(groups.amax(1) == groups.amin(1)),
-            "completion_length": global_mean(samples.completion_mask.sum(1).float()),
-            "truncated": 1 - global_mean(samples.finished), "unparseable": 1 - global_mean(parsed),
-            "format": global_mean(tagged)}
+    """The metrics of one step's samples (tensors: means); groups: (groups, n) rewards."""
+    return {"reward": rewards, "frac_reward_zero_std": groups.amax(1) == groups.amin(1),
+            "completion_length": samples.completion_mask.sum(1).float(),
+            "truncated": ~samples.finished, "unparseable": ~parsed, "format": tagged}
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the
@@ -559,8 +558,8 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     inv_lambda = lambda_weights(ids, mask, G)  # 1/|λ|, logged for grpo too: how much rows share
     on = mask.bool()
     metrics.update(sample_metrics(rewards, rewards.view(-1, G), parsed, tagged, s),
-                   lambda_mean=global_mean(1 / inv_lambda[on]),      # mean |λ| over tokens
-                   lambda_shared=global_mean(inv_lambda[on] < 1))    # share of tokens with |λ| > 1
+                   lambda_mean=1 / inv_lambda[on],      # mean |λ| over tokens
+                   lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     token_weights = inv_lambda if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
@@ -605,9 +604,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     parent = torch.cat([torch.full((P * K,), -1), answer_parent])
     # reward and zero variance: the thought values'; lengths, truncated, format: the answers'
     metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
-                   answer_reward=global_mean(answer_rewards),
-                   unclosed_thoughts=1 - global_mean(closed),
-                   thought_length=global_mean(th_mask.sum(1).float()))
+                   answer_reward=answer_rewards, unclosed_thoughts=~closed,
+                   thought_length=th_mask.sum(1).float())
     loss_parts = [LossPart(parent < 0, P * K, cfg.max_new_tokens),
                   LossPart(parent >= 0, P * K * M, cfg.max_answer_tokens)]
     if cfg.ma_weighting == "tokens":
@@ -651,9 +649,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     # whose advantages group_advantages sets to exactly 0
     pooled_constant = (pooled_adv.view(len(batch), -1).nan_to_num(0.0) == 0).all(1)
     metrics.update(sample_metrics(r, rewards[:, 0], parsed, tagged, s),
-                   frac_reward_zero_std_pooled=global_mean(pooled_constant),
-                   reward_original=global_mean(rewards[:, 0]),
-                   reward_rephrased=global_mean(r[j_idx > 0]))
+                   frac_reward_zero_std_pooled=pooled_constant, reward_original=rewards[:, 0],
+                   reward_rephrased=r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
     every = torch.ones(len(ids), dtype=torch.bool)
@@ -838,6 +835,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
+    metrics = global_means(metrics)  # one all-reduce for all of the rollout's metrics
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
@@ -1323,10 +1321,17 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     torch.distributed.all_reduce(t, reduce_op)
     return t.tolist()
 
-def global_mean(x: torch.Tensor) -> float:
-    """The mean of x over all ranks (NaN if empty), also when ranks hold different numbers."""
-    total, count = all_reduce([x.double().sum().item(), x.numel()])
-    return total / count if count else math.nan
+def global_means(metrics: dict) -> dict:
+    """Each tensor in metrics -> the mean of its elements over all ranks (NaN if there are none),
+    also when ranks hold different numbers of them; other values stay. One all-reduce."""
+    keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
+    sums = [metrics[key].double().sum().item() for key in keys]
+    totals = all_reduce(sums + [metrics[key].numel() for key in keys])
+    means = dict(metrics)
+    for i, key in enumerate(keys):
+        count = totals[len(keys) + i]
+        means[key] = totals[i] / count if count else math.nan
+    return means
 
 def sum_gradients(model):
     """Sum the gradients over the ranks: the loss weights are shares of the global batch."""

@@ -1428,6 +1428,7 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny):
     batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
     torch.manual_seed(0)
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
+    metrics = grpo.global_means(metrics)
     P, K, M = 3, 3, 2
     prompts = [grpo.prompt_ids(tok, row["question"], cfg.system_prompt) for row in batch]
     thoughts = [unpad(rows.completion_ids[k], rows.completion_mask[k]) for k in range(P * K)]
@@ -1494,6 +1495,7 @@ def test_ta_contexts_are_anchored(tiny, anchor):
     batch.append(dict(batch[0], rephrasings=batch[0]["rephrasings"][:1]))  # fewer than N: a ragged group
     torch.manual_seed(0)
     rows, metrics = grpo.rollout_ta(model, tok, cfg, batch, random.Random(7))
+    metrics = grpo.global_means(metrics)
     replay = random.Random(7)
     questions = [[r["question"]] + replay.sample(r["rephrasings"], min(2, len(r["rephrasings"]))) for r in batch]
     assert len(rows) == 2 * sum(map(len, questions)) == 2 * (3 + 3 + 2)
@@ -1695,6 +1697,7 @@ def test_ma_closes_bpe_thoughts_and_scores_their_answers(qwen25_scripted):
                       system_prompt="", format_reward=0.5)
     batch = [{"question": "1+2=", "answer": "3"}, {"question": "4+4=", "answer": "8"}]
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
+    metrics = grpo.global_means(metrics)
     assert metrics["unclosed_thoughts"] == 0 and metrics["answer_reward"] == 1.5  # right and well formed
     assert len(rows) == 2 * 2 + 2 * 2 * 3 and (rows.parent[4:] == torch.arange(4).repeat_interleave(3)).all()
 
@@ -1970,7 +1973,7 @@ def rollout_and_eval_metrics(rank, world):
     for variant in ("ma", "ta"):
         cfg = grpo.Config(variant=variant, system_prompt="", num_thoughts=2, num_answers=2, num_generations=2,
                           num_rephrasings=2, max_new_tokens=24, max_answer_tokens=12)
-        metrics = grpo.ROLLOUTS[variant](lm, tok, cfg, batch, random.Random(0))[1]
+        metrics = grpo.global_means(grpo.ROLLOUTS[variant](lm, tok, cfg, batch, random.Random(0))[1])
         out[variant] = {k: v for k, v in metrics.items() if not k.startswith("time/")}
     cfg = grpo.Config(eval_samples=3)
     out["eval"] = grpo.evaluate(model, tok, grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12], cfg, 7, max_rows=6)
