@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~25 s)
+    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~27 s)
     python grpo.py --variant lambda     # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
         --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
@@ -447,7 +447,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 
 def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
     """(B,) bool: the rows whose text, with this step's token appended to texts[row], now holds a
-    stop string, also when the token carries text past the string's end ('><' in '</think><')."""
+    stop string, also when the token carries text past the string's end (a BPE token '><' ends
+    '</think>' and starts '<answer>')."""
     pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
     hit = []
     for row, piece in zip(active.tolist(), pieces):
@@ -530,7 +531,7 @@ class Rows:
 class LossPart(NamedTuple):
     """Rows whose loss is aggregated on its own (then the parts' losses are summed)."""
     in_part: torch.Tensor  # (B,) bool: the rows of this part
-    nominal_rows: int      # how many rows this rank's rollout set out to make (dr_grpo's constant)
+    nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
 # A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
@@ -584,14 +585,16 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         thought_texts = decode(tokenizer, th_ids, th_mask)
         closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P*K,) bool
         closed_rows = closed.nonzero().squeeze(1).tolist()
-        contexts = [prompts[k // K] + th_ids[k][th_mask[k].bool()].tolist() for k in closed_rows]
+        # generate's rows are prompt-major: thought k of prompt p is row p*K + k (prompt: row // K)
+        contexts = [prompts[row // K] + th_ids[row][th_mask[row].bool()].tolist()
+                    for row in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    # generate's rows are prompt-major: thought k of prompt p is row p*K + k, so prompt = row // K
-    parents = [k for k in closed_rows for _ in range(M)]  # each answer's thought row
+    parents = [row for row in closed_rows for _ in range(M)]  # each answer's thought row
     answer_parent = torch.tensor(parents, dtype=torch.long)
-    answers = [batch[k // K]["answer"] for k in parents]
+    answers = [batch[row // K]["answer"] for row in parents]
+    thoughts_before = [thought_texts[row] for row in parents]  # each answer's thought text
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                                 cfg.reward, [thought_texts[k] for k in parents])
+                                                 cfg.reward, thoughts_before)
     rewards = torch.full((P * K, M), math.nan)  # (P*K, M): an unclosed thought has no answers
     rewards[closed] = answer_rewards.view(-1, M)
     thought_adv, answer_adv = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
@@ -696,17 +699,17 @@ def rows_logps(model, rows: Rows, temperature: float):
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
-    prompts = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
+    prefix = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
     top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
-    prompts.reorder(rows.prompt_index[top])  # one context per top row
-    after_top = continue_rows(model, prompts, rows, top, logps, temperature)
-    answers = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
-    if len(answers):
+    prefix.reorder(rows.prompt_index[top])  # one context per top row
+    after_top = continue_rows(model, prefix, rows, top, logps, temperature)
+    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
+    if len(children):
         slot = torch.full((B,), -1, dtype=torch.long, device=device)
         slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
-        assert (slot[rows.parent[answers]] >= 0).all(), "a parent row must continue its prompt"
-        after_top.reorder(slot[rows.parent[answers]])  # one context per answer: its thought's
-        continue_rows(model, after_top, rows, answers, logps, temperature)
+        assert (slot[rows.parent[children]] >= 0).all(), "a parent row must continue its prompt"
+        after_top.reorder(slot[rows.parent[children]])  # one context per child: its parent's
+        continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
 
 def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
@@ -758,9 +761,10 @@ def global_loss_weights(rows: Rows, loss_type: str):
     """(B, C) each token's weight in J over the global batch (all ranks): aggregation_weights
     within each of rows.loss_parts, times rows.token_weights (λ-GRPO). dr_grpo divides by a part's
     nominal rows (what the rollout set out to make) times its longest allowed completion.
-    GRPO-MA's thoughts and answers are two parts under --ma-weighting parts: with dapo a thought
-    token gets 1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens),
-    the thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
+    Each part's weights sum to 1 (dapo, grpo), so J is the sum of one mean per part. GRPO-MA's
+    thoughts and answers are two parts under --ma-weighting parts: with dapo a thought token gets
+    1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens), the
+    thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
     assert rows.loss_parts is not None, "the rollout sets loss_parts (Rows.select drops them)"
     weights = torch.zeros(rows.completion_mask.shape)
     for in_part, nominal_rows, max_len in rows.loss_parts:
