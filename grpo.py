@@ -57,7 +57,7 @@ unclosed thoughts get no answers and value 0, and its thought/answer weighting i
 paper does not publish one); TA-GRPO's rephrasings come from the data file, not GPT-4-Turbo; the
 learning rate warms up linearly and then stays constant.
 
-Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~370
+Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~380
 lines) is plumbing a first read can skip.
 """
 
