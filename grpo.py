@@ -37,7 +37,7 @@ One training step (train_step, then update) in pseudocode:
         completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
         rewards = score_batch(tokenizer, completions, answers)      # 1: EOS and the right answer
         advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
-    rows.loss_weights = global_loss_weights(rows, loss_type)        # each token's share of J
+    rows.loss_weights, tokens = global_loss_weights(rows, loss_type)  # each token's share of J
     micro = micro_batches(rows, size)                               # a thought with its answers
     old_logps = [rows_logps(model, m, T) for m in micro] if μ > 1   # (ref_logps if β > 0)
     repeat μ times:
@@ -515,18 +515,19 @@ class Rows:
         new_prompt[used] = torch.arange(len(used))
         new_row = torch.full((len(self),), -1, dtype=torch.long)
         new_row[index] = torch.arange(len(index))
-        parent = self.parent[index]
-        parent = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
         C = max(1, int(self.completion_mask[index].sum(1).max()))
-        tensors = {}
-        for name in ("completion_ids", "completion_mask", "advantages", "token_weights",
-                     "rewards", "loss_weights"):
-            t = getattr(self, name)
-            if t is not None:  # per-token tensors also lose their empty columns
-                t = t[index][:, :C] if t.dim() == 2 else t[index]
-            tensors[name] = t
-        prompts = [self.prompts[p] for p in used.tolist()]
-        return Rows(prompts, new_prompt[self.prompt_index[index]], parent, **tensors)
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):  # per-token tensors also lose their empty columns
+                value = value[index][:, :C] if value.dim() == 2 else value[index]
+            picked[f.name] = value
+        parent = picked["parent"]
+        picked["parent"] = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
+        picked["prompt_index"] = new_prompt[picked["prompt_index"]]
+        picked["prompts"] = [self.prompts[p] for p in used.tolist()]
+        picked["loss_parts"] = None  # their row masks are of the whole batch
+        return Rows(**picked)
 
 class LossPart(NamedTuple):
     """Rows whose loss is aggregated on its own (then the parts' losses are summed)."""
@@ -758,7 +759,8 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
 def global_loss_weights(rows: Rows, loss_type: str):
-    """(B, C) each token's weight in J over the global batch (all ranks): aggregation_weights
+    """(weights, tokens): (B, C) each token's weight in J over the global batch (all ranks), and
+    the global batch's token count. The weights: aggregation_weights
     within each of rows.loss_parts, times rows.token_weights (λ-GRPO). dr_grpo divides by a part's
     nominal rows (what the rollout set out to make) times its longest allowed completion.
     Each part's weights sum to 1 (dapo, grpo), so J is the sum of one mean per part. GRPO-MA's
@@ -766,16 +768,17 @@ def global_loss_weights(rows: Rows, loss_type: str):
     1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens), the
     thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
     assert rows.loss_parts is not None, "the rollout sets loss_parts (Rows.select drops them)"
-    weights = torch.zeros(rows.completion_mask.shape)
-    for in_part, nominal_rows, max_len in rows.loss_parts:
+    weights, tokens = torch.zeros(rows.completion_mask.shape), 0
+    for in_part, nominal_rows, max_len in rows.loss_parts:  # parts cover every row once
         mask = rows.completion_mask[in_part]
         n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
         if loss_type == "dr_grpo":
             n_rows = nominal_rows
         weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
+        tokens += n_tokens
     if rows.token_weights is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
         weights = weights * rows.token_weights
-    return weights
+    return weights, tokens
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
@@ -784,10 +787,11 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     same policy without dropout (Qwen2/3 and Llama configs set it to 0). A new loss is a change to
     policy_loss only; per-token advantages are Rows.advantages of shape (B, C)."""
     metrics = {}
-    rows.loss_weights = global_loss_weights(rows, cfg.loss_type)  # before micro_batches
-    all_tokens = all_reduce([rows.completion_mask.sum().item()])[0]  # the batch's sampled tokens
+    rows.loss_weights, all_tokens = global_loss_weights(rows, cfg.loss_type)  # before the split
+    micro = micro_batches(rows, cfg.micro_batch_size)
+    shares = [m.completion_mask.sum().item() / max(all_tokens, 1) for m in micro]  # kl, clips
     device = next(model.parameters()).device
-    micro = [m.to(device) for m in micro_batches(rows, cfg.micro_batch_size)]
+    micro = [m.to(device) for m in micro]
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
@@ -806,10 +810,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                     m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high)
                 loss.backward()
-                share = m.completion_mask.sum().item() / max(all_tokens, 1)  # kl, clips: per token
                 totals["loss"] += loss.item() / cfg.num_iterations
-                for key, value in loss_metrics.items():
-                    totals[key] += value * share / cfg.num_iterations
+                for key, value in loss_metrics.items():  # means per token: weighted by share
+                    totals[key] += value * shares[j] / cfg.num_iterations
             sum_gradients(model)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             if not math.isfinite(norm):  # a NaN step would poison the weights for good

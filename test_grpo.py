@@ -612,7 +612,7 @@ def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
     # parts: thoughts (2*3) / (P*K * 4) + answers (2*2) / (P*K*M * 4)
     rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False), weighting="parts")
     assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
-    assert torch.allclose(grpo.global_loss_weights(rows, "dr_grpo"),
+    assert torch.allclose(grpo.global_loss_weights(rows, "dr_grpo")[0],
                           torch.cat([rows.completion_mask[:2] / (2 * 4), rows.completion_mask[2:] / (4 * 4)]))
 
 
