@@ -159,8 +159,10 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     """
     r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
     adv = r - r.nanmean(1, keepdim=True)
-    if scale == "group":
-        adv = adv / (_nanstd(r) + eps)
+    if scale == "group":  # unbiased std, NaN left out (torch has no nanstd); 1 reward: NaN (0/0)
+        n = (~r.isnan()).sum(1, keepdim=True)
+        std = ((adv ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
+        adv = adv / (std + eps)
     elif scale != "none":
         raise ValueError(f"scale must be group or none, got {scale!r}")
     # all existing rewards equal (max == min) -> exactly 0, not the rounding noise of the mean / eps
@@ -168,12 +170,6 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     low = torch.where(r.isnan(), math.inf, r).amin(1, keepdim=True)
     adv = torch.where((high == low) & ~r.isnan(), 0.0, adv)
     return adv.reshape(rewards.shape)
-
-def _nanstd(x):
-    """(groups, 1) unbiased std of each row of x, NaN left out (torch has no nanstd). A row with one
-    number gets NaN (0/0); group_advantages then gives it 0, as a constant group."""
-    n = (~x.isnan()).sum(1, keepdim=True)
-    return (((x - x.nanmean(1, keepdim=True)) ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
 
 def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     """GRPO-MA advantages from a (P, K, M) reward tensor: P prompts, K thoughts each, M answers per
@@ -846,9 +842,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
-    metrics["time/step"] = time.perf_counter() - t_step
-    phases = ["time/sample", "time/update", "time/step"]  # the slowest rank's
-    metrics.update(zip(phases, all_reduce([metrics[key] for key in phases], "max")))
+    metrics["time/step"] = time.perf_counter() - t_step  # times: this rank's (rank 0 logs)
     metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
     return metrics
 
@@ -890,10 +884,8 @@ def train(cfg: Config) -> dict:
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
     start = state["step"] if state else 0
     out, main_rank = Path(cfg.out), rank == 0
-    if checkpoint and start == cfg.steps:  # a requeue of a finished run: only the summary is redone
-        if main_rank:
-            print(f"grpo.py: the run in {out} finished at step {start}; nothing to train")
-        return report(cfg, 0.0) if main_rank else None
+    if checkpoint and start == cfg.steps and main_rank:  # a requeue of a finished run
+        print(f"grpo.py: the run in {out} finished at step {start}; nothing to train")
     log = open_logs(out, state) if main_rank else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -921,13 +913,11 @@ def train(cfg: Config) -> dict:
             done = step + 1
             if main_rank and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
                 save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
-            if all_reduce([len(caught)], "max")[0] and done < cfg.steps:  # on every rank
+            if all_reduce([len(caught)])[0] and done < cfg.steps:  # on every rank
                 if main_rank:  # (nothing to write when this step was just saved)
                     save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
                 sys.exit(f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
                          f"saved in {out / f'checkpoint-{done}'}; continue with --resume")
-    if rank_and_world()[1] > 1:
-        torch.distributed.destroy_process_group()
     return report(cfg, time.time() - t0) if main_rank else None
 
 def report(cfg: Config, wall_s: float) -> dict:
@@ -1001,19 +991,13 @@ RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
 DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
 NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
 FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 def boxed(text: str):
-    """What the last \\boxed{...} holds (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
+    """What the last \\boxed{...} holds (braces inside it one level deep: \\frac{1}{2}), or None."""
+    found = BOXED_RE.findall(text)
+    return found[-1] if found else None
 
 def number_runs(text: str) -> list[str]:
     """The number-like runs of a text, after the Unicode minus and \\frac{a}{b} are made plain."""
@@ -1318,14 +1302,13 @@ def rank_and_world() -> tuple[int, int]:
         return 0, 1
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum (or max) plain numbers over the ranks; identity in a single process."""
+def all_reduce(values: list[float]) -> list[float]:
+    """Sum plain numbers over the ranks; identity in a single process."""
     if not torch.distributed.is_initialized():
         return values
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
-    torch.distributed.all_reduce(t, reduce_op)
+    torch.distributed.all_reduce(t)
     return t.tolist()
 
 def global_means(metrics: dict) -> dict:
@@ -1365,6 +1348,9 @@ def main(argv=None):
         return train(parse_args(argv))
     except UserError as e:
         sys.exit(f"grpo.py: error: {e}")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     main()
