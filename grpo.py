@@ -47,8 +47,10 @@ One training step (train_step, then update) in pseudocode:
             loss.backward()                                         # the losses sum to -J
         sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
 
-To add a variant: a rollout that fills Rows (section 4), with its loss parts, an entry in ROLLOUTS
-and a --variant choice in Config; update() does not know which variant made the rows.
+To add a variant: a rollout, by the checklist before rollout_grpo (section 4); update() does not
+know which variant made the rows. Under torchrun each rank samples its share of the prompts, and the
+ranks meet only in all_reduce: the batch's counts (global_loss_weights), the gradients
+(sum_gradients), the logged numbers (global_means, update, evaluate) and the stop signal (train).
 
 Simplified versus the papers: sampling is a short KV-cache loop (no vLLM, no paged attention; one
 process samples and trains, so models up to ~1-3B on one GPU); the reward is exact match after
@@ -57,7 +59,7 @@ unclosed thoughts get no answers and value 0, and its thought/answer weighting i
 paper does not publish one); TA-GRPO's rephrasings come from the data file, not GPT-4-Turbo; the
 learning rate warms up linearly and then stays constant.
 
-Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~380
+Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~375
 lines) is plumbing a first read can skip.
 """
 
@@ -233,6 +235,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     The loss is Σ loss_weights * per-token loss over the tokens of completion_mask, e.g. for one
     batch: w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G) (λ-GRPO's loss);
     policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token.
+    The metrics are 0-dim tensors, so the loss makes no device sync (and no graph break).
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -242,16 +245,16 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped * adv)  # (B, T)
     metrics = {}
-    n = mask.sum().clamp(min=1).item()
+    n = mask.sum().clamp(min=1)
     if beta:
         assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
         delta = ref_per_token_logps - per_token_logps
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
-        metrics["kl"] = (kl * mask).sum().item() / n
+        metrics["kl"] = (kl * mask).sum().detach() / n
     with torch.no_grad():  # the clip binds where the ratio left the range in A's direction
-        metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum().item() / n
-        metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum().item() / n
+        metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum() / n
+        metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
@@ -531,10 +534,15 @@ class LossPart(NamedTuple):
     nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
-# A rollout takes the model, tokenizer, config, this rank's examples and an rng (for TA's draws)
-# and returns (Rows, metrics): a metric that is a tensor is logged as the mean of its elements
-# over all ranks (train_step's global_means). From section 7: timed adds a block's seconds to
-# metrics; all_reduce sums over the ranks; rank_and_world, sum_gradients, UserError and finite.
+# To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
+# rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
+#   1. prompts = [prompt_ids(...)]; completions = generate(...) inside timed(metrics, "time/sample")
+#      (section 7: it adds the block's seconds to metrics)
+#   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
+#   3. Rows: prompt_index for each row, parent -1 (or a top row: MA's answer continues its thought),
+#      loss_parts covering every row once, each with the rows the rollout set out to make (dr_grpo)
+#   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
+#   5. an entry in ROLLOUTS and a --variant choice in Config
 
 def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
     """The metrics of one step's samples (tensors: means); groups: (groups, n) rewards."""
@@ -806,9 +814,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                     m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high)
                 loss.backward()
-                totals["loss"] += loss.item() / cfg.num_iterations
+                totals["loss"] += loss.detach().double() / cfg.num_iterations  # a sync at the end
                 for key, value in loss_metrics.items():  # means per token: weighted by share
-                    totals[key] += value * shares[j] / cfg.num_iterations
+                    totals[key] += value.double() * shares[j] / cfg.num_iterations
             sum_gradients(model)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             if not math.isfinite(norm):  # a NaN step would poison the weights for good
@@ -817,7 +825,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
             grad_norms.append(norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    metrics.update(zip(totals, all_reduce(list(totals.values()))))
+    metrics.update(zip(totals, all_reduce([float(total) for total in totals.values()])))
     metrics["grad_norm"] = float(np.mean(grad_norms))
     metrics["tokens"] = all_tokens
     return metrics
