@@ -179,7 +179,7 @@ def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     normalises V over the K thoughts of its prompt; the answer advantage normalises the rewards over
     all K*M answers of the prompt (not within a thought). A thought that was never answered (it did
     not close with </think>) has NaN answer rewards: its value is 0 and its missing answers are left
-    out of the answer statistics. Returns (thought_adv (P, K), answer_adv (P, K, M)).
+    out of the answer statistics. Returns (thought_adv (P, K), answer_adv (P, K, M), V (P, K)).
 
     Rewards [[1, 1], [1, 0]] (P=1, K=2, M=2): V = [1, 0.5] -> thought_adv = [0.7069, -0.7069];
     answers: mean 0.75, std 0.5 -> answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
@@ -190,7 +190,7 @@ def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     values = rewards.nanmean(-1).nan_to_num(0.0)  # (P, K); an unanswered thought is worth 0
     thought_adv = group_advantages(values.reshape(-1), K, scale, eps).reshape(P, K)
     answer_adv = group_advantages(rewards.reshape(-1), K * M, scale, eps).reshape(P, K, M)
-    return thought_adv, answer_adv
+    return thought_adv, answer_adv, values
 
 def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     """TA-GRPO advantages from a (P, N+1, G) reward tensor: question q0 and its N rephrasings, G
@@ -474,17 +474,18 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
     the thought row in between) so that a shared context is encoded once. What update() needs from
-    a rollout: a finite advantage per row; parent -1, or a row whose parent is -1 (one level); and
-    loss_parts that cover every row once (LossPart says what dr_grpo needs of each part)."""
+    a rollout: finite advantages; parent -1, or a row whose parent is -1 (one level); loss_parts,
+    one LossPart per part of the rows (most variants have one; part says each row's)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
-    token_weights: torch.Tensor | None = None  # (B, C) multiplies the per-token loss (λ-GRPO)
+    loss_parts: list | None = None  # LossParts: rows whose loss is aggregated on its own
+    part: torch.Tensor | None = None  # (B,) each row's index in loss_parts (None: all in part 0)
+    inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
     rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
-    loss_parts: list | None = None  # LossParts, set by the rollout (select does not keep them)
     loss_weights: torch.Tensor | None = None  # (B, C) each token's share of J (set by update)
 
     def __len__(self):
@@ -525,12 +526,10 @@ class Rows:
         picked["parent"] = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
         picked["prompt_index"] = new_prompt[picked["prompt_index"]]
         picked["prompts"] = [self.prompts[p] for p in used.tolist()]
-        picked["loss_parts"] = None  # their row masks are of the whole batch
         return Rows(**picked)
 
 class LossPart(NamedTuple):
-    """Rows whose loss is aggregated on its own (then the parts' losses are summed)."""
-    in_part: torch.Tensor  # (B,) bool: the rows of this part
+    """The rows of one part (Rows.part) are aggregated on their own; the parts' losses are summed."""
     nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
@@ -540,7 +539,7 @@ class LossPart(NamedTuple):
 #      (section 7: it adds the block's seconds to metrics)
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
 #   3. Rows: prompt_index for each row, parent -1 (or a top row: MA's answer continues its thought),
-#      loss_parts covering every row once, each with the rows the rollout set out to make (dr_grpo)
+#      loss_parts (and part, for more than one), each with the rows it set out to make (dr_grpo)
 #   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
 
@@ -567,11 +566,10 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    lambda_mean=1 / inv_lambda[on],      # mean |λ| over tokens
                    lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
-    token_weights = inv_lambda if cfg.variant == "lambda" else None
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
-    every = torch.ones(len(ids), dtype=torch.bool)
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, token_weights, rewards,
-                loss_parts=[LossPart(every, len(batch) * G, cfg.max_new_tokens)])
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
+                loss_parts=[LossPart(len(batch) * G, cfg.max_new_tokens)], rewards=rewards,
+                inv_lambda=inv_lambda if cfg.variant == "lambda" else None)
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -602,8 +600,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                                                  cfg.reward, thoughts_before)
     rewards = torch.full((P * K, M), math.nan)  # (P*K, M): an unclosed thought has no answers
     rewards[closed] = answer_rewards.view(-1, M)
-    thought_adv, answer_adv = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
-    values = rewards.nanmean(-1).nan_to_num(0.0).view(P, K)  # V(th_k), as in ma_advantages
+    thought_adv, answer_adv, values = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
     ids = pad_sequence(list(th_ids) + list(ans.completion_ids.cpu()), batch_first=True,
                        padding_value=tokenizer.pad_token_id)
     mask = pad_sequence(list(th_mask) + list(ans.completion_mask.cpu()), batch_first=True)
@@ -614,13 +611,14 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
                    answer_reward=answer_rewards, unclosed_thoughts=~closed,
                    thought_length=th_mask.sum(1).float())
-    loss_parts = [LossPart(parent < 0, P * K, cfg.max_new_tokens),
-                  LossPart(parent >= 0, P * K * M, cfg.max_answer_tokens)]
-    if cfg.ma_weighting == "tokens":
-        longest = max(cfg.max_new_tokens, cfg.max_answer_tokens)
-        loss_parts = [LossPart(torch.ones(len(parent), dtype=torch.bool), P * K * (1 + M), longest)]
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
-                rewards=torch.cat([values.view(-1), answer_rewards]), loss_parts=loss_parts)
+    if cfg.ma_weighting == "parts":  # part 0 the thoughts, part 1 the answers
+        part = (parent >= 0).long()
+        loss_parts = [LossPart(P * K, cfg.max_new_tokens), LossPart(P * K * M, cfg.max_answer_tokens)]
+    else:  # one token mean over thoughts and answers
+        part = None
+        loss_parts = [LossPart(P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, loss_parts, part,
+                rewards=torch.cat([values.view(-1), answer_rewards]))
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -661,10 +659,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    reward_rephrased=r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
-    every = torch.ones(len(ids), dtype=torch.bool)
-    loss_parts = [LossPart(every, len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # N+1 phrasings
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, rewards=r,
-                loss_parts=loss_parts)
+    loss_parts = [LossPart(len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # all N+1 phrasings
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, loss_parts, rewards=r)
     return rows, metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -765,23 +761,26 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
 def global_loss_weights(rows: Rows, loss_type: str):
     """(weights, tokens): (B, C) each token's weight in J over the global batch (all ranks), and
     the global batch's token count. The weights: aggregation_weights
-    within each of rows.loss_parts, times rows.token_weights (λ-GRPO). dr_grpo divides by a part's
+    within each of rows.loss_parts, times rows.inv_lambda (λ-GRPO). dr_grpo divides by a part's
     nominal rows (what the rollout set out to make) times its longest allowed completion.
     Each part's weights sum to 1 (dapo, grpo), so J is the sum of one mean per part. GRPO-MA's
     thoughts and answers are two parts under --ma-weighting parts: with dapo a thought token gets
     1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens), the
     thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
-    assert rows.loss_parts is not None, "the rollout sets loss_parts (Rows.select drops them)"
+    assert rows.loss_parts is not None, "the rollout sets loss_parts"
+    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
+    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
-    for in_part, nominal_rows, max_len in rows.loss_parts:  # parts cover every row once
+    for k, (nominal_rows, max_len) in enumerate(rows.loss_parts):
+        in_part = part == k
         mask = rows.completion_mask[in_part]
         n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
         if loss_type == "dr_grpo":
             n_rows = nominal_rows
         weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
         tokens += n_tokens
-    if rows.token_weights is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
-        weights = weights * rows.token_weights
+    if rows.inv_lambda is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
+        weights = weights * rows.inv_lambda
     return weights, tokens
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
@@ -864,9 +863,9 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     for i, text in zip(shown, texts):
         entries[i] = {"text": text, "reward": rows.rewards[i].item(),
                       "advantage": rows.advantages[i].mean().item()}
-        if rows.token_weights is not None:
+        if rows.inv_lambda is not None:
             on = rows.completion_mask[i].bool()
-            entries[i]["inv_lambda"] = rows.token_weights[i][on].mean().item()
+            entries[i]["inv_lambda"] = rows.inv_lambda[i][on].mean().item()
         if rows.parent[i] >= 0:  # an answer: listed under its thought
             entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
         else:

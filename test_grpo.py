@@ -553,11 +553,10 @@ def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True), weight
     mask = torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]] * len(parents))
     advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
     parent = torch.tensor([-1, -1] + parents)
-    parts = [grpo.LossPart(parent < 0, 2, 4), grpo.LossPart(parent >= 0, 2 * M, 4)]
+    parts, part = [grpo.LossPart(2, 4), grpo.LossPart(2 * M, 4)], (parent >= 0).long()
     if weighting == "tokens":
-        parts = [grpo.LossPart(torch.ones(len(parent), dtype=torch.bool), 2 * (1 + M), 4)]
-    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), parent, ids, mask, advantages,
-                     loss_parts=parts)
+        parts, part = [grpo.LossPart(2 * (1 + M), 4)], None
+    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), parent, ids, mask, advantages, parts, part)
 
 
 def ma_loss(tiny, rows, M, **kw):
@@ -618,7 +617,9 @@ def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
 
 def parts_of(rows):
     """A rollout's loss parts as plain values: (row indices, nominal rows, length limit)."""
-    return [(part.nonzero().squeeze(1).tolist(), nominal, limit) for part, nominal, limit in rows.loss_parts]
+    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
+    return [((part == k).nonzero().squeeze(1).tolist(), nominal, limit)
+            for k, (nominal, limit) in enumerate(rows.loss_parts)]
 
 
 def test_rollouts_set_their_loss_parts(tiny):
@@ -1388,22 +1389,24 @@ def test_bench_binary_tree_table(request):
 
 def test_ma_advantages_worked_example():
     # thought 0: answers all right; thought 1: half; thought 2: none
-    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 1], [1, 0], [0, 0]]]))
+    thought, answer, values = grpo.ma_advantages(torch.tensor([[[1.0, 1], [1, 0], [0, 0]]]))
     # V = [1, .5, 0]: mean .5, unbiased std .5
+    assert values.tolist() == [[1.0, 0.5, 0.0]]
     assert torch.allclose(thought, torch.tensor([[0.5, 0, -0.5]]) / 0.5001)
     # all six answers: mean .5, unbiased std sqrt(.3); thought 0's equal answers still get a positive advantage
     s = math.sqrt(0.3) + 1e-4
     assert torch.allclose(answer, torch.tensor([[[0.5, 0.5], [0.5, -0.5], [-0.5, -0.5]]]) / s)
     # every thought has the same value: no thought signal, but the answers still differ
-    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 0], [0, 1]]]))
+    thought, answer, _ = grpo.ma_advantages(torch.tensor([[[1.0, 0], [0, 1]]]))
     assert torch.equal(thought, torch.zeros(1, 2))
     assert torch.allclose(answer, torch.tensor([[[0.5, -0.5], [-0.5, 0.5]]]) / (math.sqrt(1 / 3) + 1e-4))
 
 
 def test_ma_unanswered_thoughts_are_missing_not_zero():
     # thought 0 answered [1, 0]; thought 1 never closed, so it has no answers
-    thought, answer = grpo.ma_advantages(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
+    thought, answer, values = grpo.ma_advantages(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
     # V = [0.5, 0]: mean 0.25, unbiased std 0.3536
+    assert values.tolist() == [[0.5, 0.0]]
     assert torch.allclose(thought, torch.tensor([[0.25, -0.25]]) / (math.sqrt(0.125) + 1e-4))
     # the two real answers alone: mean 0.5, std 0.7071 -> +-0.7070 (zeros in their place would give +1.50, -0.50)
     assert torch.allclose(answer[0, 0], torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
@@ -1413,7 +1416,7 @@ def test_ma_unanswered_thoughts_are_missing_not_zero():
 
 def test_ma_with_one_answer_is_grpo():
     r = torch.tensor([[1.0], [0], [1], [1], [0], [0], [0], [0]]).view(2, 4, 1)
-    thought, answer = grpo.ma_advantages(r)
+    thought, answer, _ = grpo.ma_advantages(r)
     assert torch.equal(thought.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
     assert torch.equal(answer.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
 
@@ -1446,7 +1449,7 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny):
                           skip_special_tokens=True)
         finished = rows.completion_ids[row][int(rows.completion_mask[row].sum()) - 1] == tok.eos_token_id
         rewards[k, a % M] = grpo.score(text, batch[k // K]["answer"], bool(finished))[0]
-    thought_adv, answer_adv = grpo.ma_advantages(rewards.view(P, K, M))
+    thought_adv, answer_adv, _ = grpo.ma_advantages(rewards.view(P, K, M))
     assert torch.allclose(rows.advantages[:P * K], thought_adv.reshape(-1))
     assert torch.allclose(rows.advantages[P * K:], answer_adv.reshape(-1, M)[closed].reshape(-1))
 
@@ -1461,7 +1464,7 @@ def test_ma_thought_advantage_variance_falls_as_one_over_m_with_a_floor_in_k():
     def variance(K, M, trials=4000):
         p = torch.linspace(0.05, 0.95, K)
         r = (torch.rand(trials, K, M, generator=g) < p[None, :, None]).float()
-        thought, _ = grpo.ma_advantages(r)
+        thought = grpo.ma_advantages(r)[0]
         return thought.var(0).mean().item()  # across draws, averaged over the thoughts
 
     by_m = [variance(8, M) for M in (1, 2, 4, 8, 16, 32)]
@@ -1549,13 +1552,13 @@ def test_bench_lambda_weights_cost(request, tiny):
     mask = torch.ones(B, T, dtype=torch.long)
     prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)]
     rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B),
-                     loss_parts=[grpo.LossPart(torch.ones(B, dtype=torch.bool), B, T)])
+                     loss_parts=[grpo.LossPart(B, T)])
     cfg = grpo.Config(max_new_tokens=T)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     lam, step = [], []
     for _ in range(5):
         t = time.perf_counter()
-        rows.token_weights = grpo.lambda_weights(ids, mask, G)
+        rows.inv_lambda = grpo.lambda_weights(ids, mask, G)
         lam.append(time.perf_counter() - t)
         t = time.perf_counter()
         grpo.update(model, None, opt, rows, cfg)
@@ -1944,7 +1947,7 @@ def ddp_worker(rank, world, port, out):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        share.loss_parts = [grpo.LossPart(torch.ones(len(share), dtype=torch.bool), len(share), 32)]  # 32 in all
+        share.loss_parts = [grpo.LossPart(len(share), 32)]  # 32 in all
         metrics = grpo.update(model, ref, opt, share, cfg)
         if rank == 0:
             torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
@@ -2018,7 +2021,7 @@ def test_two_gloo_processes_update_like_one(tmp_path):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        rows.loss_parts = [grpo.LossPart(torch.ones(len(rows), dtype=torch.bool), len(rows), 32)]
+        rows.loss_parts = [grpo.LossPart(len(rows), 32)]
         metrics = grpo.update(model, ref, opt, rows, cfg)
         ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
