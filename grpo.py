@@ -142,7 +142,7 @@ class Config:
     resume: bool = _opt(False, "continue the run in --out, or start it (see prepare_out)")
     overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
     seed: int = _opt(0, "seed for data order, sampling and init")
-    device: str = _opt("auto", "auto: cuda, then mps, then cpu", ["auto", "cuda", "mps", "cpu"])
+    device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
     gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
 
 # -----------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     """
     r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
     adv = r - r.nanmean(1, keepdim=True)
-    if scale == "group":  # unbiased std, NaN left out (torch has no nanstd); 1 reward: NaN (0/0)
+    if scale == "group":  # unbiased std, NaN left out (torch has no nanstd); one reward: 0/0 -> 0
         n = (~r.isnan()).sum(1, keepdim=True)
         std = ((adv ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
         adv = adv / (std + eps)
@@ -205,12 +205,13 @@ def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
     """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0. Rows form groups of
-    `group_size` consecutive rows. λ(i,t) is the set of completions j in i's group (i itself and
-    exact duplicates included) with all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so
-    the tokens of a shared prefix are trained once per prefix, not once per completion. Loop-free:
-    compare every pair of rows of a group token by token (about 4·B·G·T bytes for B rows, G =
-    group_size); a running product turns "equal at t" into "equal up to t". They multiply the
-    per-token loss (policy and KL), not the normaliser: aggregation_weights * lambda_weights.
+    `group_size` consecutive rows, each completion right-padded (its token t in column t). λ(i,t)
+    is the set of completions j in i's group (i itself and exact duplicates included) with
+    all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so the tokens of a shared prefix are
+    trained once per prefix, not once per completion. Loop-free: compare every pair of rows of a
+    group token by token (about 4·B·G·T bytes for B rows, G = group_size); a running product turns
+    "equal at t" into "equal up to t". They multiply the per-token loss (policy and KL), not the
+    normaliser: aggregation_weights * lambda_weights.
 
     Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
     other tokens 1.
@@ -529,7 +530,7 @@ class Rows:
         return Rows(**picked)
 
 class LossPart(NamedTuple):
-    """The rows of one part (Rows.part) are aggregated on their own; the parts' losses are summed."""
+    """The rows of one part (see Rows.part) are aggregated on their own; the losses are summed."""
     nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
@@ -613,7 +614,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    thought_length=th_mask.sum(1).float())
     if cfg.ma_weighting == "parts":  # part 0 the thoughts, part 1 the answers
         part = (parent >= 0).long()
-        loss_parts = [LossPart(P * K, cfg.max_new_tokens), LossPart(P * K * M, cfg.max_answer_tokens)]
+        loss_parts = [LossPart(P * K, cfg.max_new_tokens),
+                      LossPart(P * K * M, cfg.max_answer_tokens)]
     else:  # one token mean over thoughts and answers
         part = None
         loss_parts = [LossPart(P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
@@ -671,7 +673,8 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 def flat_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
     before it, the plain way: one forward pass per row over context + completion. The definition;
-    rows_logps is the fast way, this one serves --gradient-checkpointing (it drops KV caches)."""
+    rows_logps (after update) is the fast way; this one serves --gradient-checkpointing, under
+    which HF drops KV caches."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     device = rows.completion_ids.device
     input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
@@ -681,51 +684,6 @@ def flat_logps(model, rows: Rows, temperature: float):
     L = context_ids.shape[1]
     return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids,
                        rows.completion_mask, temperature)
-
-def rows_logps(model, rows: Rows, temperature: float):
-    """flat_logps' numbers, each shared context encoded once (an optimisation a first read can
-    skip): a prompt's cache is copied to its rows, a GRPO-MA thought's on to its answers, and
-    gradients flow back through the copies. A prompt, 2 thoughts, 2 answers each:
-
-        level  rows                   input                 cache (a Prefix)      targets
-        0      prompt p1 p2 p3        p1 p2                 -                     -
-        1      th0, th1               p3, th_k[:-1]         p1 p2 (copied)        th_k
-        2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
-
-    At each level the cache holds every context token but the last, which is the first input (the
-    one-token shift). A thought a b c in a level 5 wide: targets [a b c . .], inputs [p3 a b c .],
-    mask [1 1 1 0 0]: inputs p3 a b are real and predict a b c; input c is masked, so the cache
-    keeps p3 a b and c becomes its answers' first input (Prefix.last). Padding holes in a cache are
-    masked, and positions count real tokens only. Levels 1 and 2 are each one continue_rows."""
-    B, C = rows.completion_ids.shape
-    device = rows.completion_ids.device
-    logps = torch.zeros(B, C, device=device)
-    prefix = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
-    top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
-    prefix.reorder(rows.prompt_index[top])  # one context per top row
-    after_top = continue_rows(model, prefix, rows, top, logps, temperature)
-    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
-    if len(children):
-        slot = torch.full((B,), -1, dtype=torch.long, device=device)
-        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
-        assert (slot[rows.parent[children]] >= 0).all(), "a parent row must continue its prompt"
-        after_top.reorder(slot[rows.parent[children]])  # one context per child: its parent's
-        continue_rows(model, after_top, rows, children, logps, temperature)
-    return logps
-
-def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
-    """rows_logps' step: write into logps the log-probs of rows idx, each after its context in ctx,
-    and return the contexts that end with those rows, ready for their children."""
-    n = int(rows.completion_mask[idx].sum(1).max())
-    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
-    x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-    # x[:, t] is real where target t is: the cache then holds all but each row's last token,
-    # which is the children's first input (their Prefix.last)
-    attn = torch.cat([ctx.mask, target_mask], 1)
-    hidden = run_decoder(model, x, attn, ctx.cache)
-    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
-    return Prefix(ctx.cache, attn, last)
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1 (else 0), hidden
@@ -828,6 +786,53 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     metrics["grad_norm"] = float(np.mean(grad_norms))
     metrics["tokens"] = all_tokens
     return metrics
+
+# -----------------------------------------------------------------------------
+# The fast log-prob pass that update uses (a first read can skip it): flat_logps' numbers.
+
+def rows_logps(model, rows: Rows, temperature: float):
+    """flat_logps' numbers, each shared context encoded once: a prompt's cache is copied to its
+    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies. A
+    prompt, 2 thoughts, 2 answers each:
+
+        level  rows                   input                 cache (a Prefix)      targets
+        0      prompt p1 p2 p3        p1 p2                 -                     -
+        1      th0, th1               p3, th_k[:-1]         p1 p2 (copied)        th_k
+        2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
+
+    Levels 1 and 2 are each one continue_rows. At each level the cache (a Prefix) holds every
+    context token but the last, which is the level's first input: the one-token shift. A row
+    shorter than its level leaves padding inside the cache, which is masked (positions count real
+    tokens only)."""
+    B, C = rows.completion_ids.shape
+    device = rows.completion_ids.device
+    logps = torch.zeros(B, C, device=device)
+    prefix = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
+    top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
+    prefix.reorder(rows.prompt_index[top])  # one context per top row
+    after_top = continue_rows(model, prefix, rows, top, logps, temperature)
+    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
+    if len(children):
+        slot = torch.full((B,), -1, dtype=torch.long, device=device)
+        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
+        assert (slot[rows.parent[children]] >= 0).all(), "a parent row must continue its prompt"
+        after_top.reorder(slot[rows.parent[children]])  # one context per child: its parent's
+        continue_rows(model, after_top, rows, children, logps, temperature)
+    return logps
+
+def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
+    """rows_logps' step: write into logps the log-probs of rows idx, each after its context in ctx,
+    and return the contexts that end with those rows, ready for their children."""
+    n = int(rows.completion_mask[idx].sum(1).max())
+    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
+    x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
+    # x[:, t] is real where target t is: the cache then holds all but each row's last token,
+    # which is the children's first input (their Prefix.last)
+    attn = torch.cat([ctx.mask, target_mask], 1)
+    hidden = run_decoder(model, x, attn, ctx.cache)
+    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
+    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
+    return Prefix(ctx.cache, attn, last)
 
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
@@ -1044,9 +1049,7 @@ def parse_args(argv=None) -> Config:
     """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
     parser = HfArgumentParser(Config, description="GRPO and variants in one file.")
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
-    cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    cfg = Config(**vars(parser.parse_args(argv)))
     for f in fields(Config):
         value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if f.type is float and not math.isfinite(value):
@@ -1094,13 +1097,11 @@ def load_jsonl(path) -> list[dict]:
         raise UserError(f"{path}: no such data file")
     examples = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
         try:
-            example = parse_example(line)
+            if line.strip():
+                examples.append(parse_example(line))
         except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             raise UserError(f"{path}:{number}: {reason(e)}") from None
-        examples.append(example)
     if not examples:
         raise UserError(f"{path}: no examples")
     return examples
@@ -1117,14 +1118,11 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
 # Models, checkpoints, resume and signals.
 
 def pick_device(name: str) -> torch.device:
-    """--device: auto picks cuda, then mps, then cpu; an explicit device must be available."""
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(),
-                 "cpu": True}
-    if name == "auto":
-        name = next(n for n in available if available[n])
-    if not available[name]:
+    """--device: auto picks the accelerator (cuda, mps) if there is one, else cpu."""
+    found = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    if name not in ("auto", "cpu", found.type):
         raise UserError(f"--device {name}: {name} is not available on this machine")
-    return torch.device(name)
+    return found if name == "auto" else torch.device(name)
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
