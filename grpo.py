@@ -59,7 +59,7 @@ unclosed thoughts get no answers and value 0, and its thought/answer weighting i
 paper does not publish one); TA-GRPO's rephrasings come from the data file, not GPT-4-Turbo; the
 learning rate warms up linearly and then stays constant.
 
-Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~375
+Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~365
 lines) is plumbing a first read can skip.
 """
 
@@ -474,9 +474,8 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 @dataclass
 class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
-    the thought row in between) so that a shared context is encoded once. What update() needs from
-    a rollout: finite advantages; parent -1, or a row whose parent is -1 (one level); loss_parts,
-    one LossPart per part of the rows (most variants have one; part says each row's)."""
+    the thought row in between) so that a shared context is encoded once. A rollout fills them as
+    the checklist after LossPart says; global_loss_weights asserts what update() relies on."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
@@ -718,15 +717,16 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
 
 def global_loss_weights(rows: Rows, loss_type: str):
     """(weights, tokens): (B, C) each token's weight in J over the global batch (all ranks), and
-    the global batch's token count. The weights: aggregation_weights
-    within each of rows.loss_parts, times rows.inv_lambda (λ-GRPO). dr_grpo divides by a part's
-    nominal rows (what the rollout set out to make) times its longest allowed completion.
-    Each part's weights sum to 1 (dapo, grpo), so J is the sum of one mean per part. GRPO-MA's
-    thoughts and answers are two parts under --ma-weighting parts: with dapo a thought token gets
-    1 / (all thought tokens), an answer token 1 / (all answer tokens). Pooled (tokens), the
-    thoughts would get only Lt / (Lt + M La) of J (Lt, La: a thought's, an answer's length)."""
+    the global batch's token count. In each of rows.loss_parts the weights are aggregation_weights
+    with the part's global counts (dr_grpo: its nominal rows, what the rollout set out to make, and
+    its longest allowed completion), so each part's weights sum to 1 (dapo, grpo) and J is a sum
+    of one mean per part; λ-GRPO's inv_lambda multiplies them. GRPO-MA's two parts under dapo: a
+    thought token gets 1 / (all thought tokens), an answer token 1 / (all answer tokens); pooled
+    (--ma-weighting tokens), thoughts of Lt tokens get only Lt / (Lt + M La) of J (answers: La)."""
     assert rows.loss_parts is not None, "the rollout sets loss_parts"
     assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
+    parents = rows.parent[rows.parent >= 0]
+    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
     for k, (nominal_rows, max_len) in enumerate(rows.loss_parts):
@@ -1174,11 +1174,6 @@ RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eva
              "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing",
              "log_completions"}
 
-def checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints in a run folder, oldest first (a save in progress is '*.tmp')."""
-    found = [p for p in out.glob("checkpoint-*") if p.name[len("checkpoint-"):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len("checkpoint-"):]))
-
 def run_files(out: Path) -> list[Path]:
     """What a run leaves in its folder: checkpoints (and a save that died), logs, summary."""
     names = [out / name for name in LOGS + ("summary.json",)]
@@ -1188,9 +1183,12 @@ def prepare_out(cfg: Config) -> Path | None:
     """The checkpoint to continue from, or None to start. A folder holding a run is continued
     (--resume) or replaced (--overwrite), never reused; --resume without a checkpoint starts."""
     out = Path(cfg.out)
-    found = checkpoints(out)
+    found = {}  # step -> its complete checkpoint (a save in progress is 'checkpoint-<step>.tmp')
+    for path in out.glob("checkpoint-*"):
+        if re.fullmatch("[0-9]+", path.name[len("checkpoint-"):]):
+            found[int(path.name[len("checkpoint-"):])] = path
     if cfg.resume and found:
-        return found[-1]
+        return found[max(found)]
     names = sorted(path.name for path in run_files(out))
     if names and not (cfg.overwrite or cfg.resume):
         raise UserError(f"--out {out} already holds a run ({', '.join(names)}); continue it with "
