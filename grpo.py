@@ -912,9 +912,9 @@ def train(cfg: Config) -> dict:
                 write({"step": step, "eval": evaluate(model, tokenizer, test_examples, cfg,
                                                       cfg.seed + 12345)})
     t0 = time.time()
-    if checkpoint is None:
-        run_eval(0)
-    with signals_caught() as caught:
+    with signals_caught() as caught:  # a signal in the first eval stops the run after step 1
+        if checkpoint is None:
+            run_eval(0)
         for step in tqdm(range(start, cfg.steps), desc=cfg.variant, disable=not main_rank):
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             with autocast:
@@ -1047,7 +1047,7 @@ LOWEST = {"num_generations": 2, "num_thoughts": 2, "prompts_per_step": 1, "num_a
 
 def parse_args(argv=None) -> Config:
     """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
-    parser = HfArgumentParser(Config, description="GRPO and variants in one file.")
+    parser = HfArgumentParser(Config, description="GRPO and variants in one file.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
     for f in fields(Config):
@@ -1169,10 +1169,10 @@ def load_run(cfg: Config, device, checkpoint: Path | None):
     return model, tokenizer, ref_model, optimizer, scheduler, state
 
 LOGS = ("metrics.jsonl", "completions.jsonl")  # appended to as the run goes
-# flags a resumed run may change: where and how it runs and evaluates, not what it trains
-RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "eval_samples",
-             "eval_limit", "test_data", "save_every", "micro_batch_size", "gradient_checkpointing",
-             "log_completions"}
+# flags a resumed run may change: where it runs, how often it evaluates and saves, memory knobs;
+# not what it trains or evaluates on (its first and last evals must stay comparable)
+RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "save_every",
+             "micro_batch_size", "gradient_checkpointing", "log_completions"}
 
 def run_files(out: Path) -> list[Path]:
     """What a run leaves in its folder: checkpoints (and a save that died), logs, summary."""

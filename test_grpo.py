@@ -695,6 +695,7 @@ def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
 @pytest.mark.parametrize("flags,message", [
     (["--variant", "ppo"], "argument --variant: invalid choice: 'ppo'"),
     (["--num-gens", "4"], "unrecognized arguments: --num-gens 4"),
+    (["--over"], "unrecognized arguments: --over"),  # no prefix matching: --over is not --overwrite
     (["--num-generations", "1"], "--num-generations must be >= 2, got 1"),
     (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
@@ -843,10 +844,11 @@ def fire_on_call(monkeypatch, owner, name, call, action):
 
 
 # where the signal lands -> the step saved: the run stops once the step in progress is done and saved: before
-# step 3's update, between step 3's two optimizer steps, in step 2's eval, in the middle of writing checkpoint-2
+# step 3's update, between step 3's two optimizer steps, in step 2's eval, in the middle of writing checkpoint-2,
+# in the eval before step 1 (the first step is then trained and saved)
 @pytest.mark.parametrize("phase,call,saved,signum", [
     ("update", 3, 3, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGTERM), ("evaluate", 2, 2, signal.SIGTERM),
-    ("torch.save", 1, 2, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGINT)])
+    ("torch.save", 1, 2, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGINT), ("evaluate", 1, 1, signal.SIGINT)])
 def test_sigterm_in_any_phase_saves_the_right_step_and_resumes_exactly(phase, call, saved, signum, uninterrupted,
                                                                        tmp_path, monkeypatch):
     out = tmp_path / "run"
@@ -928,6 +930,7 @@ def test_a_run_folder_is_protected_and_resumes_check_their_flags(tmp_path):
     for flags, message in [(["--lr", "1e-6"], "--lr 0.001 -> 1e-06 would change what the run"),
                            (["--variant", "ma", "--beta", "0.1"], "--variant grpo -> ma, --beta 0.0 -> 0.1"),
                            (["--steps", "2"], "the run is at step 3; --steps 2 must be at least that"),
+                           (["--eval-samples", "4"], "--eval-samples 2 -> 4"),  # before/after would differ
                            (["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model " + str(TINY)),
                            (["--model", str(TINY) + "/."], None)]:  # the same folder, written differently
         stop = run(*SMALL, "--out", out, "--resume", *(flags if "--steps" in flags else flags + ["--steps", "4"]))
