@@ -1047,7 +1047,7 @@ LOWEST = {"num_generations": 2, "num_thoughts": 2, "prompts_per_step": 1, "num_a
 
 def parse_args(argv=None) -> Config:
     """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
-    parser = HfArgumentParser(Config, description="GRPO and variants in one file.", allow_abbrev=False)
+    parser = HfArgumentParser(Config, description="GRPO and variants.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
     for f in fields(Config):
