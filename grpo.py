@@ -593,7 +593,6 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                     for row in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     parents = [row for row in closed_rows for _ in range(M)]  # each answer's thought row
-    answer_parent = torch.tensor(parents, dtype=torch.long)
     answers = [batch[row // K]["answer"] for row in parents]
     thoughts_before = [thought_texts[row] for row in parents]  # each answer's thought text
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
@@ -605,8 +604,8 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                        padding_value=tokenizer.pad_token_id)
     mask = pad_sequence(list(th_mask) + list(ans.completion_mask.cpu()), batch_first=True)
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
-    prompt_index = torch.cat([torch.arange(P).repeat_interleave(K), answer_parent // K])
-    parent = torch.cat([torch.full((P * K,), -1), answer_parent])
+    parent = torch.tensor([-1] * (P * K) + parents)  # a thought continues its prompt directly
+    prompt_index = torch.tensor([row // K for row in range(P * K)] + [row // K for row in parents])
     # reward and zero variance: the thought values'; lengths, truncated, format: the answers'
     metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
                    answer_reward=answer_rewards, unclosed_thoughts=~closed,
