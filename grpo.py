@@ -149,12 +149,11 @@ class Config:
 # 1. The ideas: one small function per scheme, on plain tensors, then the loss.
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
-    """GRPO advantages. Rows form groups of `group_size` consecutive rewards;
-    A = (r - group mean) / (std + eps), std unbiased (ddof=1, as TRL); scale="none" skips the
-    division (Dr. GRPO). A group whose rewards are all equal gets exactly 0. NaN rewards mark rows
-    that do not exist (TA's missing rephrasings, MA's unanswered thoughts): they are left out of
-    the statistics and get NaN back. Without NaN and constant groups this is
-    (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), r of shape (groups, G).
+    """GRPO advantages: with r of shape (groups, G), G = group_size consecutive rewards,
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), the std unbiased (ddof=1,
+    as TRL); scale="none" skips the division (Dr. GRPO). Two refinements: a group whose rewards are
+    all equal gets exactly 0; NaN rewards mark rows that do not exist (TA's missing rephrasings,
+    MA's unanswered thoughts), which are left out of the statistics and get NaN back.
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean 0.25, std 0.5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
@@ -224,7 +223,27 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, T)
 
 # -----------------------------------------------------------------------------
-# The loss: clipped ratio, optional k3 KL, per-token weights, TRL's aggregations.
+# The loss: TRL's aggregations as per-token weights, then the clipped ratio and the k3 KL.
+
+def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
+                        max_completion_length=None):
+    """(B, T) weight of each token in the batch loss, as TRL aggregates: grpo, each row's token
+    mean, averaged over rows (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo (arXiv
+    2503.20783), 1 / (rows * max_completion_length, else the padded width). To weigh a piece of a
+    batch (a micro-batch, a rank), pass the whole batch's num_rows and num_tokens: pieces add up.
+
+    Rows of 2 and 4 tokens: grpo [1/4, 1/4], [1/8] * 4; dapo 1/6 each; dr_grpo (limit 8) 1/16 each.
+    """
+    mask = completion_mask.float()
+    rows = len(mask) if num_rows is None else num_rows
+    tokens = mask.sum().item() if num_tokens is None else num_tokens
+    if loss_type == "grpo":
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
+    if loss_type == "dapo":
+        return mask / max(tokens, 1)
+    if loss_type == "dr_grpo":
+        return mask / (rows * (max_completion_length or mask.shape[1]))
+    raise ValueError(f"unknown loss_type {loss_type!r}")
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=0.0):
@@ -233,8 +252,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
     with ρ = exp(logp - old) and ε_high = ε when 0. At μ = 1, old = logp.detach(): ρ is 1 and no
     token is clipped, but ρ's gradient is logp's, so the gradient is the policy gradient.
-    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask, e.g. for one
-    batch: w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G) (λ-GRPO's loss);
+    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask: a mean when the
+    weights sum to 1, as aggregation_weights' do over a batch. For one batch, λ-GRPO's loss is
+    w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G);
     policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token.
     The metrics are 0-dim tensors, so the loss makes no device sync (and no graph break).
     """
@@ -257,26 +277,6 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
-
-def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
-                        max_completion_length=None):
-    """(B, T) weight of each token in the batch loss, as TRL aggregates: grpo, each row's token
-    mean, averaged over rows (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo (arXiv
-    2503.20783), 1 / (rows * max_completion_length, else the padded width). To weigh a piece of a
-    batch (a micro-batch, a rank), pass the whole batch's num_rows and num_tokens: pieces add up.
-
-    Rows of 2 and 4 tokens: grpo [1/4, 1/4], [1/8] * 4; dapo 1/6 each; dr_grpo (limit 8) 1/16 each.
-    """
-    mask = completion_mask.float()
-    rows = len(mask) if num_rows is None else num_rows
-    tokens = mask.sum().item() if num_tokens is None else num_tokens
-    if loss_type == "grpo":
-        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
-    if loss_type == "dapo":
-        return mask / max(tokens, 1)
-    if loss_type == "dr_grpo":
-        return mask / (rows * (max_completion_length or mask.shape[1]))
-    raise ValueError(f"unknown loss_type {loss_type!r}")
 
 # -----------------------------------------------------------------------------
 # 2. The reward: exact match of the final answer, read as graders read it (model output is text).
@@ -475,7 +475,9 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
     the thought row in between) so that a shared context is encoded once. A rollout fills them as
-    the checklist after LossPart says; global_loss_weights asserts what update() relies on."""
+    the checklist after LossPart says. Invariants: each completion right-padded, its mask a run of
+    1s from column 0; a parent row continues its prompt (one level); advantages finite (the last
+    two asserted by global_loss_weights)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
@@ -606,6 +608,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
     parent = torch.tensor([-1] * (P * K) + parents)  # a thought continues its prompt directly
     prompt_index = torch.tensor([row // K for row in range(P * K)] + [row // K for row in parents])
+    # rows: the P*K thoughts (prompt-major), then M answers for each closed thought, in its order
     # reward and zero variance: the thought values'; lengths, truncated, format: the answers'
     metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
                    answer_reward=answer_rewards, unclosed_thoughts=~closed,
@@ -802,7 +805,8 @@ def rows_logps(model, rows: Rows, temperature: float):
     Levels 1 and 2 are each one continue_rows. At each level the cache (a Prefix) holds every
     context token but the last, which is the level's first input: the one-token shift. A row
     shorter than its level leaves padding inside the cache, which is masked (positions count real
-    tokens only)."""
+    tokens only). After a change here or to Rows, `pytest test_grpo.py -k shared_prefix` checks the
+    values and gradients against flat_logps' for every variant."""
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
@@ -824,11 +828,11 @@ def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float
     and return the contexts that end with those rows, ready for their children."""
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
-    x = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-    # x[:, t] is real where target t is: the cache then holds all but each row's last token,
-    # which is the children's first input (their Prefix.last)
+    inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
+    # a mask is a run of 1s from column 0, so inputs[:, t] is real exactly where target t is: the
+    # cache then holds all but each row's last token, its children's first input (Prefix.last)
     attn = torch.cat([ctx.mask, target_mask], 1)
-    hidden = run_decoder(model, x, attn, ctx.cache)
+    hidden = run_decoder(model, inputs, attn, ctx.cache)
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
     last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
     return Prefix(ctx.cache, attn, last)
