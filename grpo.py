@@ -469,14 +469,14 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
             for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
-# 4. Rows and the rollouts: one function per variant samples, scores and fills rows.
+# 4. Rows, their loss weights, and the rollouts: one function per variant fills the rows.
 
 @dataclass
 class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
     the thought row in between) so that a shared context is encoded once. A rollout fills them as
-    the checklist after LossPart says. Invariants: each completion right-padded, its mask a run of
-    1s from column 0; a parent row continues its prompt (one level); advantages finite (the last
+    the checklist before rollout_grpo says. Invariants: each completion right-padded, its mask a run
+    of 1s from column 0; a parent row continues its prompt (one level); advantages finite (the last
     two asserted by global_loss_weights)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
@@ -534,6 +534,33 @@ class LossPart(NamedTuple):
     """The rows of one part (see Rows.part) are aggregated on their own; the losses are summed."""
     nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
+
+def global_loss_weights(rows: Rows, loss_type: str):
+    """What update() first does with the rows: (weights, tokens), (B, C) each token's weight in J
+    over the global batch (all ranks), and the global batch's token count. In each of
+    rows.loss_parts the weights are aggregation_weights with the part's global counts (dr_grpo: its
+    nominal rows, what the rollout set out to make, and its longest allowed completion), so each
+    part's weights sum to 1 (dapo, grpo) and J is a sum of one mean per part; λ-GRPO's inv_lambda
+    multiplies them. GRPO-MA's two parts under dapo: a thought token gets 1 / (all thought tokens),
+    an answer token 1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens
+    get only Lt / (Lt + M La) of J (answers: La)."""
+    assert rows.loss_parts is not None, "the rollout sets loss_parts"
+    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
+    parents = rows.parent[rows.parent >= 0]
+    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
+    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
+    weights, tokens = torch.zeros(rows.completion_mask.shape), 0
+    for k, (nominal_rows, max_len) in enumerate(rows.loss_parts):
+        in_part = part == k
+        mask = rows.completion_mask[in_part]
+        n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
+        if loss_type == "dr_grpo":
+            n_rows = nominal_rows
+        weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
+        tokens += n_tokens
+    if rows.inv_lambda is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
+        weights = weights * rows.inv_lambda
+    return weights, tokens
 
 # To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
 # rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
@@ -716,32 +743,6 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
         current = current + unit
     batches.append(current)
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
-
-def global_loss_weights(rows: Rows, loss_type: str):
-    """(weights, tokens): (B, C) each token's weight in J over the global batch (all ranks), and
-    the global batch's token count. In each of rows.loss_parts the weights are aggregation_weights
-    with the part's global counts (dr_grpo: its nominal rows, what the rollout set out to make, and
-    its longest allowed completion), so each part's weights sum to 1 (dapo, grpo) and J is a sum
-    of one mean per part; λ-GRPO's inv_lambda multiplies them. GRPO-MA's two parts under dapo: a
-    thought token gets 1 / (all thought tokens), an answer token 1 / (all answer tokens); pooled
-    (--ma-weighting tokens), thoughts of Lt tokens get only Lt / (Lt + M La) of J (answers: La)."""
-    assert rows.loss_parts is not None, "the rollout sets loss_parts"
-    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
-    parents = rows.parent[rows.parent >= 0]
-    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
-    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
-    weights, tokens = torch.zeros(rows.completion_mask.shape), 0
-    for k, (nominal_rows, max_len) in enumerate(rows.loss_parts):
-        in_part = part == k
-        mask = rows.completion_mask[in_part]
-        n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
-        if loss_type == "dr_grpo":
-            n_rows = nominal_rows
-        weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
-        tokens += n_tokens
-    if rows.inv_lambda is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
-        weights = weights * rows.inv_lambda
-    return weights, tokens
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
