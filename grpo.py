@@ -130,7 +130,7 @@ class Config:
     warmup_steps: int = _opt(10, "linear warmup over training steps, then constant")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     max_grad_norm: float = _opt(1.0, "gradient clipping")
-    micro_batch_size: int = _opt(64, "rows per forward/backward (gradients accumulate across them)")
+    micro_batch_size: int = _opt(64, "rows per forward/backward of the update (sampling: all)")
     steps: int = _opt(100, "training steps")
     # eval, logging, checkpoints, runtime
     eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
@@ -246,22 +246,23 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
-                ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=0.0):
+                ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
     """GRPO surrogate loss (to minimise) and metrics. Per-token tensors are (B, T).
 
     per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
-    with ρ = exp(logp - old) and ε_high = ε when 0. At μ = 1, old = logp.detach(): ρ is 1 and no
-    token is clipped, but ρ's gradient is logp's, so the gradient is the policy gradient.
-    The loss is Σ loss_weights * per-token loss over the tokens of completion_mask: a mean when the
-    weights sum to 1, as aggregation_weights' do over a batch. For one batch, λ-GRPO's loss is
-    w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G);
-    policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token.
+    with ρ = exp(logp - old) and ε_high = ε when None (as TRL). At μ = 1, old = logp.detach(): ρ
+    is 1 and no token is clipped, but ρ's gradient is logp's, so the gradient is the policy
+    gradient. The loss is Σ loss_weights * per-token loss over the tokens of completion_mask: a mean
+    when the weights sum to 1, as aggregation_weights' do over a batch. For one batch, λ-GRPO's
+    loss is w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G);
+    policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token;
+    finite on the mask.
     The metrics are 0-dim tensors, so the loss makes no device sync (and no graph break).
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(mask.bool(), adv, 0.0)  # (B, T); a NaN off the mask gets no gradient either
-    epsilon_high = epsilon_high or epsilon
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped * adv)  # (B, T)
@@ -476,14 +477,15 @@ class Rows:
     """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
     the thought row in between) so that a shared context is encoded once. A rollout fills them as
     the checklist before rollout_grpo says. Invariants: each completion right-padded, its mask a run
-    of 1s from column 0; a parent row continues its prompt (one level); advantages finite (the last
-    two asserted by global_loss_weights)."""
+    of 1s from column 0; every 2-D tensor field is (B, C) (select cuts them all to the columns in
+    use); a parent row continues its prompt (one level); advantages finite (the last two asserted
+    by global_loss_weights)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
-    advantages: torch.Tensor       # (B,), or (B, C) per token (see policy_loss)
+    advantages: torch.Tensor       # (B,), or (B, C) per token, 0 off the mask (see policy_loss)
     loss_parts: list | None = None  # LossParts: rows whose loss is aggregated on its own
     part: torch.Tensor | None = None  # (B,) each row's index in loss_parts (None: all in part 0)
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
@@ -532,7 +534,7 @@ class Rows:
 
 class LossPart(NamedTuple):
     """The rows of one part (see Rows.part) are aggregated on their own; the losses are summed."""
-    nominal_rows: int      # rows this rank set out to make (dr_grpo's; summed over the ranks)
+    nominal_rows: int      # rows planned (P*G...), missing ones too: dr_grpo's, summed over ranks
     max_len: int           # the longest completion it allowed (dr_grpo's constant)
 
 def global_loss_weights(rows: Rows, loss_type: str):
@@ -565,7 +567,6 @@ def global_loss_weights(rows: Rows, loss_type: str):
 # To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
 # rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
 #   1. prompts = [prompt_ids(...)]; completions = generate(...) inside timed(metrics, "time/sample")
-#      (section 7: it adds the block's seconds to metrics)
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
 #   3. Rows: prompt_index for each row, parent -1 (or a top row: MA's answer continues its thought),
 #      loss_parts (and part, for more than one), each with the rows it set out to make (dr_grpo)
@@ -745,11 +746,11 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them. Each
-    token's loss is weighted by its share of J in the global batch, so the micro-batches' and the
-    ranks' losses add up to the batch's. Sampling ran in eval mode, this runs in train mode: the
-    same policy without dropout (Qwen2/3 and Llama configs set it to 0). A new loss is a change to
-    policy_loss only; per-token advantages are Rows.advantages of shape (B, C)."""
+    """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them.
+    Sampling ran in eval mode, this runs in train mode: the same policy without dropout (Qwen2/3
+    and Llama configs set it to 0). A new per-token loss is a change to policy_loss; a new
+    aggregation (TRL's bnpo, say) one to aggregation_weights and global_loss_weights, which weigh
+    the whole batch before it is split, so that micro-batches and ranks add up to the batch."""
     metrics = {}
     rows.loss_weights, all_tokens = global_loss_weights(rows, cfg.loss_type)  # before the split
     micro = micro_batches(rows, cfg.micro_batch_size)
@@ -772,7 +773,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                 loss, loss_metrics = policy_loss(
                     logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
                     m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high)
+                    epsilon_high=cfg.epsilon_high or None)  # the flag's 0: as --epsilon
                 loss.backward()
                 totals["loss"] += loss.detach().double() / cfg.num_iterations  # a sync at the end
                 for key, value in loss_metrics.items():  # means per token: weighted by share
@@ -870,10 +871,11 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     entries, completions = {}, []
     for i, text in zip(shown, texts):
+        on = rows.completion_mask[i].bool()
+        advantage = rows.advantages[i][on] if rows.advantages.dim() == 2 else rows.advantages[i]
         entries[i] = {"text": text, "reward": rows.rewards[i].item(),
-                      "advantage": rows.advantages[i].mean().item()}
+                      "advantage": advantage.mean().item()}
         if rows.inv_lambda is not None:
-            on = rows.completion_mask[i].bool()
             entries[i]["inv_lambda"] = rows.inv_lambda[i][on].mean().item()
         if rows.parent[i] >= 0:  # an answer: listed under its thought
             entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
@@ -921,7 +923,7 @@ def train(cfg: Config) -> dict:
             run_eval(0)
         for step in tqdm(range(start, cfg.steps), desc=cfg.variant, disable=not main_rank):
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            with autocast:
+            with autocast:  # backward ops take their forward ops' dtypes; AdamW is not autocast
                 metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step)
             scheduler.step()
             write({"step": step + 1, "lr": lr, **metrics})
