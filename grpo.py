@@ -428,6 +428,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)
         hidden = run_decoder(model, token[:, None], mask, cache)
         logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
+        if not logits.isfinite().all():  # one line, not multinomial's error (or CUDA's assert)
+            raise UserError("the policy's logits are not finite: training diverged; lower --lr")
         if greedy:
             token = logits.argmax(-1)
         else:  # softmax(logits / T) is what the loss's log-probs see: no top-k or top-p

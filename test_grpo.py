@@ -320,6 +320,20 @@ def scripted(tok, scripts: dict, eos=None):
                       len(tok), eos or [tok.eos_token_id])
 
 
+def test_a_diverged_policy_stops_sampling_with_one_line(tiny, tmp_path):
+    """Weights that overflow give infinite logits; --lr 1e10 gets there with a finite gradient norm (the norm
+    guard does not fire): sampling stops with one line, not multinomial's error."""
+    model, tok = tiny
+    model = __import__("copy").deepcopy(model)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(math.inf)
+    prompt = grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)
+    with pytest.raises(grpo.UserError, match="logits are not finite: training diverged; lower --lr"):
+        grpo.generate(model, tok, [prompt], 2, 4)
+    stop = run(*SMALL, "--out", str(tmp_path / "run"), "--steps", "2", "--lr", "1e10", "--num-iterations", "1")
+    assert stop == "grpo.py: error: the policy's logits are not finite: training diverged; lower --lr", stop
+
+
 def test_sampler_masks_up_to_and_including_eos_even_when_pad_is_eos(tiny):
     _, tok = tiny
     tok = __import__("copy").deepcopy(tok)
