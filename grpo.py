@@ -777,9 +777,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                     m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high or None)  # the flag's 0: as --epsilon
                 loss.backward()
-                totals["loss"] += loss.detach().double() / cfg.num_iterations  # a sync at the end
+                totals["loss"] += loss.item() / cfg.num_iterations
                 for key, value in loss_metrics.items():  # means per token: weighted by share
-                    totals[key] += value.double() * shares[j] / cfg.num_iterations
+                    totals[key] += value.item() * shares[j] / cfg.num_iterations
             sum_gradients(model)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             if not math.isfinite(norm):  # a NaN step would poison the weights for good
@@ -788,7 +788,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
             grad_norms.append(norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    metrics.update(zip(totals, all_reduce([float(total) for total in totals.values()])))
+    metrics.update(zip(totals, all_reduce(list(totals.values()))))
     metrics["grad_norm"] = float(np.mean(grad_norms))
     metrics["tokens"] = all_tokens
     return metrics
@@ -1326,7 +1326,7 @@ def global_means(metrics: dict) -> dict:
     """Each tensor in metrics -> the mean of its elements over all ranks (NaN if there are none),
     also when ranks hold different numbers of them; other values stay. One all-reduce."""
     keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
-    sums = [metrics[key].double().sum().item() for key in keys]
+    sums = [metrics[key].cpu().double().sum().item() for key in keys]  # (MPS has no float64)
     totals = all_reduce(sums + [metrics[key].numel() for key in keys])
     means = dict(metrics)
     for i, key in enumerate(keys):
