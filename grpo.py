@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
 
-    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~27 s)
+    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~28 s)
     python grpo.py --variant lambda     # or ma, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
         --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
@@ -428,7 +428,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         mask = torch.cat([mask, mask.new_ones(len(token), 1)], 1)
         hidden = run_decoder(model, token[:, None], mask, cache)
         logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
-        if not logits.isfinite().all():  # one line, not multinomial's error (or CUDA's assert)
+        if t == 0 and not logits.isfinite().all():  # overflowed weights show at the first token
             raise UserError("the policy's logits are not finite: training diverged; lower --lr")
         if greedy:
             token = logits.argmax(-1)
@@ -574,6 +574,7 @@ def global_loss_weights(rows: Rows, loss_type: str):
 #      loss_parts (and part, for more than one), each with the rows it set out to make (dr_grpo)
 #   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
+# (timed, all_reduce and the rest of the torchrun helpers are plumbing, in section 7)
 
 def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
     """The metrics of one step's samples (tensors: means); groups: (groups, n) rewards."""

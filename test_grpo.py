@@ -629,6 +629,19 @@ def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
                           torch.cat([rows.completion_mask[:2] / (2 * 4), rows.completion_mask[2:] / (4 * 4)]))
 
 
+def test_global_loss_weights_refuse_rows_that_break_the_contract(tiny):
+    """What update() relies on is asserted, not assumed: finite advantages, parents one level deep."""
+    _, tok = tiny
+    rows = ma_rows(tok, 2)
+    rows.advantages[0] = math.nan
+    with pytest.raises(AssertionError, match="finite advantage"):
+        grpo.global_loss_weights(rows, "dapo")
+    rows = ma_rows(tok, 2)
+    rows.parent[3] = 2  # an answer continuing another answer: two levels
+    with pytest.raises(AssertionError, match="one level"):
+        grpo.global_loss_weights(rows, "dapo")
+
+
 def parts_of(rows):
     """A rollout's loss parts as plain values: (row indices, nominal rows, length limit)."""
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
