@@ -102,6 +102,8 @@ class Config:
     data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
     test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
     system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
+    response_prefix: str = _opt("", "text the reply starts with, after the generation prompt (e.g. "
+                                "<think>): part of the prompt, never sampled or trained")
     variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
     # sampling
     num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per phrasing (ta)")
@@ -280,12 +282,65 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
 # -----------------------------------------------------------------------------
-# 2. The reward: exact match of the final answer, read as graders read it (model output is text).
-# How a number is read (parse_number, boxed, number_runs) is in section 7, with the plumbing.
+# 2. The reward: exact match of the final answer (model output is text: read, never run).
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
+
+# The number reader: an answer is a number only when one number stands alone in it, once the known
+# wrappers are gone. A false positive is worse than a miss: the policy is trained toward it.
+
+BRACES = r"\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}"  # {...} with braces nested two levels inside
+BOXED_RE = re.compile(rf"\\boxed({BRACES})")
+TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
+FRAC_RE = re.compile(r"\\[dt]?frac\{(-?[0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of plain numbers
+# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
+RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
+# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
+DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
+NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
+MATH = set("\\^_{}")  # what is left of LaTeX once the wrappers are gone: an expression, not a number
+MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
+
+def boxed(text: str):
+    """What the last \\boxed{...} holds (braces nested two levels inside it), or None."""
+    found = BOXED_RE.findall(text)
+    return found[-1][1:-1] if found else None
+
+def unwrap(text: str) -> str:
+    """The text with the wrappers around numbers made plain: $ and \\$ go, \\text{x} is x set apart,
+    \\frac{a}{b} of plain numbers is a/b, the Unicode minus is -."""
+    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-")
+    return FRAC_RE.sub(r"\1/\2", TEXT_RE.sub(r" \1 ", text))
+
+def number_runs(text: str) -> list:
+    """The number-like runs of a text, as written; None for a run that touches a letter, a digit of
+    another script, LaTeX (\\ ^ _ { }) or a ! (2i, v2, x^2, 3\\pi, \\sqrt{2}, 4!)."""
+    runs = []
+    for match in RUN_RE.finditer(text):
+        around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
+        alone = not any(c.isalnum() or c in MATH or c == "!" for c in around)
+        runs.append(match.group() if alone else None)
+    return runs
+
+def parse_number(text: str):
+    """The one number an answer holds -> Fraction, else None. Inside the last \\boxed{} if there is
+    one; words and units set apart by spaces, $, \\$, \\text{}, ** and a final full stop around it
+    are ignored ('The answer is 1,234.', '18 eggs', '\\$12.50', '-\\frac{1}{2}', '.5', '-3/4').
+    None for two numbers ('7 or 8'), a malformed one ('3,5', '1, 2') and any LaTeX left once the
+    wrappers are gone ('3 \\pi', '\\frac{\\pi}{4}', 'x^2'): score then compares it as text."""
+    inner = boxed(text)
+    text = unwrap(text if inner is None else inner)
+    runs = number_runs(text)
+    if MATH & set(text) or len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
+        return None
+    if not NUMBER_RE.fullmatch(runs[0]):
+        return None
+    numerator, _, denominator = runs[0].replace(",", "").partition("/")
+    if denominator and Fraction(denominator) == 0:
+        return None
+    return Fraction(numerator) / Fraction(denominator or 1)
 
 def after_thought(text: str):
     """The text after the first </think> (all of it without one; None if a <think> never closes),
@@ -300,8 +355,8 @@ def extract_answer(text: str, reward: str = "tags"):
     text = after_thought(text)
     if text is None:
         return None
-    if reward == "last-number":
-        runs = number_runs(text)
+    if reward == "last-number":  # the last run, unless it is part of an expression (then None)
+        runs = number_runs(unwrap(text))
         return runs[-1] if runs else None
     found = ANSWER_RE.findall(text)
     if found:
@@ -310,9 +365,10 @@ def extract_answer(text: str, reward: str = "tags"):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           reward: str = "tags"):
-    """(reward, parsed): 1 if the completion finished (EOS) and its answer equals the reference (as
-    numbers when the reference is one, else as text without whitespace), plus format_reward if it
-    finished with one <think>..</think> then one <answer>..</answer>; parsed: an answer was read."""
+    """(reward, parsed): 1 if the completion finished (EOS) and its answer equals the reference,
+    plus format_reward if it finished with one <think>..</think> then one <answer>..</answer>.
+    A numeric reference needs an answer that is that number (parse_number); any other reference is
+    compared as text, without whitespace or a \\boxed{} around it. parsed: an answer was read."""
     answer = extract_answer(text, reward)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
@@ -321,16 +377,18 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     if parsed and finished and ref_num is not None:
         correct = answer_num == ref_num
     elif parsed and finished:
-        correct = re.sub(r"\s", "", answer) == re.sub(r"\s", "", reference)
+        plain = lambda t: re.sub(r"\s", "", boxed(t) or t)
+        correct = plain(answer) == plain(reference)
     shaped = finished and FORMAT_RE.fullmatch(text) is not None
     return float(correct) + format_reward * shaped, parsed
 
-def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", thought_texts=None):
+def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
     """(rewards, parsed, tagged), each (B,), of the completions in `samples` (from generate, in
-    section 3); tagged: <answer> tags after the thought. MA's answers follow their thought_texts."""
+    section 3), each read after the text `before` it (a string for all, or one per row): the
+    response prefix, and for a GRPO-MA answer its thought too. tagged: <answer> after the thought."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
-    if thought_texts is not None:
-        texts = [thought + text for thought, text in zip(thought_texts, texts)]
+    before = [before] * len(texts) if isinstance(before, str) else before
+    texts = [b + text for b, text in zip(before, texts)]
     finished = samples.finished.tolist()
     scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
     tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
@@ -342,12 +400,15 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", t
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
 # A first read needs only generate(): n samples per prompt, returned as Samples.
 
-def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
-    """A question (with the system prompt) chat-templated into token ids, generation prompt on."""
+def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = "") -> list[int]:
+    """A question (with the system prompt) chat-templated into token ids, generation prompt on, then
+    the response prefix (the reply's first words, as DeepSeek-R1's template ends with <think>). The
+    prefix is tokenized on its own, as the model would have written it after the template."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return ids + tokenizer(response_prefix, add_special_tokens=False).input_ids
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
     """The decoder (model.model: no lm_head) over input_ids (B, T) after the L tokens in `cache` (a
@@ -440,9 +501,10 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         finished[active[ended]] = True
         if stop_strings:
             ended = ended | stop_string_hits(tokenizer, token, active, texts, stop_strings)
-        go = ~ended
-        active, mask, token = active[go], mask[go], token[go]
-        cache.batch_select_indices(go.nonzero().squeeze(1))
+        if ended.any():  # ended rows leave the batch: a copy of every layer's cache, so only then
+            go = ~ended
+            active, mask, token = active[go], mask[go], token[go]
+            cache.batch_select_indices(go.nonzero().squeeze(1))
     model.train(was_training)
     C = max(lengths.tolist(), default=0)
     completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
@@ -586,12 +648,13 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the
     rows also carry 1/|λ| token weights."""
     G, metrics = cfg.num_generations, {}
-    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
+    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in batch]
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     answers = [ex["answer"] for ex in batch for _ in range(G)]
-    rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
+    rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
+                                          cfg.response_prefix)
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
     inv_lambda = lambda_weights(ids, mask, G)  # 1/|λ|, logged for grpo too: how much rows share
     on = mask.bool()
@@ -613,7 +676,7 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     ones' answers (weights: global_loss_weights). P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1
     the thoughts (parent -1), rows 2, 3 thought 0's answers (parent 0)."""
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
-    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in batch]
+    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in batch]
     with timed(metrics, "time/sample"):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                       stop_strings=["</think>"])
@@ -627,9 +690,9 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     parents = [row for row in closed_rows for _ in range(M)]  # each answer's thought row
     answers = [batch[row // K]["answer"] for row in parents]
-    thoughts_before = [thought_texts[row] for row in parents]  # each answer's thought text
+    before = [cfg.response_prefix + thought_texts[row] for row in parents]  # prefix + thought
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                                 cfg.reward, thoughts_before)
+                                                 cfg.reward, before)
     rewards = torch.full((P * K, M), math.nan)  # (P*K, M): an unclosed thought has no answers
     rewards[closed] = answer_rewards.view(-1, M)
     thought_adv, answer_adv, values = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
@@ -670,13 +733,14 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
         drawn = rng.sample(ex["rephrasings"], min(N, len(ex["rephrasings"])))
         first.append(len(phrasings))
         for j, question in enumerate([ex["question"]] + drawn):
-            phrasings.append(prompt_ids(tokenizer, question, cfg.system_prompt))
+            phrasings.append(prompt_ids(tokenizer, question, cfg.system_prompt, cfg.response_prefix))
             slots += [(p, j, g) for g in range(G)]
     p_idx, j_idx, g_idx = torch.tensor(slots).T
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     answers = [batch[p]["answer"] for p in p_idx.tolist()]
-    r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward)
+    r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
+                                    cfg.response_prefix)
     rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P here, N+1, G); NaN: no phrasing
     rewards[p_idx, j_idx, g_idx] = r
     pooled_adv = ta_advantages(rewards, cfg.scale_rewards)  # (P, N+1, G), NaN: no phrasing
@@ -937,8 +1001,10 @@ def train(cfg: Config) -> dict:
             if all_reduce([len(caught)])[0] and done < cfg.steps:  # on every rank
                 if main_rank:  # (nothing to write when this step was just saved)
                     save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+                all_reduce([0])  # no rank exits before the save: torchrun would stop rank 0 too
                 sys.exit(f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
-                         f"saved in {out / f'checkpoint-{done}'}; continue with --resume")
+                         f"saved in {out / f'checkpoint-{done}'}; continue with --resume"
+                         if main_rank else 1)
     return report(cfg, time.time() - t0) if main_rank else None
 
 def report(cfg: Config, wall_s: float) -> dict:
@@ -984,13 +1050,14 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
             continue
         torch.manual_seed(seed + c)
         chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt) for ex in chunk]
+        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in chunk]
         answers = [ex["answer"] for ex in chunk]
         s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy += score_batch(tokenizer, s, answers, reward=cfg.reward)[0].sum().item()
+        scored = score_batch(tokenizer, s, answers, 0.0, cfg.reward, cfg.response_prefix)
+        greedy += scored[0].sum().item()
         s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards, _, tags = score_batch(tokenizer, s, [a for a in answers for _ in range(n)],
-                                       reward=cfg.reward)
+        rewards, _, tags = score_batch(tokenizer, s, [a for a in answers for _ in range(n)], 0.0,
+                                       cfg.reward, cfg.response_prefix)
         tagged += tags.sum().item()
         for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
             for k in range(1, n + 1):
@@ -1003,41 +1070,6 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
 
 # -----------------------------------------------------------------------------
 # 7. Plumbing (a first read can stop here): numbers, flags, data, models, checkpoints, ranks.
-
-# Reading a number as graders do: inside \boxed{}, with words, units and separators around it.
-
-# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
-RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
-# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
-DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
-NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
-FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
-MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
-
-def boxed(text: str):
-    """What the last \\boxed{...} holds (braces inside it one level deep: \\frac{1}{2}), or None."""
-    found = BOXED_RE.findall(text)
-    return found[-1] if found else None
-
-def number_runs(text: str) -> list[str]:
-    """The number-like runs of a text, after the Unicode minus and \\frac{a}{b} are made plain."""
-    text = FRAC_RE.sub(r"\1/\2", text.replace("\u2212", "-"))
-    return RUN_RE.findall(text)
-
-def parse_number(text: str):
-    """The one number an answer holds -> Fraction, else None. Inside a \\boxed{...} if there is one;
-    words, units, $, \\text{}, ** and a final full stop around it ignored ('The answer is 1,234.',
-    '18 eggs', '\\$12.50'); '.5', '-3/4', '-\\frac{1}{2}', the Unicode minus. Commas only as
-    thousands separators: '3,5' and '1, 2' are not numbers."""
-    inner = boxed(text)
-    runs = number_runs(text if inner is None else inner)
-    if len(runs) != 1 or len(runs[0]) > MAX_NUMBER_CHARS or not NUMBER_RE.fullmatch(runs[0]):
-        return None
-    numerator, _, denominator = runs[0].replace(",", "").partition("/")
-    if denominator and Fraction(denominator) == 0:
-        return None
-    return Fraction(numerator) / Fraction(denominator or 1)
 
 # -----------------------------------------------------------------------------
 # Flags and data files: every bad value stops the run with one line that names it.
@@ -1119,6 +1151,9 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """The training examples and the first --eval-limit held-out ones; TA needs rephrasings."""
     examples = load_jsonl(cfg.data)
     test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
+    world = rank_and_world()[1]
+    if len(examples) < world:
+        raise UserError(f"{cfg.data}: {len(examples)} examples, fewer than the {world} ranks")
     if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
         raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
     return examples, test_examples

@@ -192,7 +192,24 @@ GRADER_CASES = [
     ("x = 7", "7", 1.0), ("7 or 8", "7", 0.0),                             # two numbers: no single answer
     ("1,2345", "12345", 0.0), ("5.5.5", "5.5", 0.0), ("-5", "5", 0.0), ("\\frac{1}{0}", "1", 0.0),
     ("٣", "3", 0.0),                                                       # only ASCII digits are digits
+    ("1,234", "1234", 1.0), ("-3/4", "-0.75", 1.0), ("\\frac{1}{2}", "0.5", 1.0), ("5\\text{ cm}", "5", 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),  # braces two levels deep in the box
+    ("x^2", "x^2", 1.0), ("3\\pi", "3 \\pi", 1.0),                       # not numbers: compared as text
+    ("18eggs", "18", 0.0),                                                 # a unit not set apart
+    ("3 \\pi", "3", 0.0), ("x ^ 2", "2", 0.0),                              # LaTeX left in the answer
 ]
+
+# A number that touches a letter, a backslash command, ^, _, ! or braces is part of an expression, not that
+# number: each pair scores 0 in both directions (at 29830ed each scored 1: the digits alone were read).
+EXPRESSIONS = [("4", "\\frac{\\pi}{4}"), ("2", "\\sqrt{2}"), ("3", "3\\pi"), ("x^2", "2"), ("2", "2i"), ("4!", "4"),
+               ("v2", "2"), ("x_2", "2"), ("2", "\\sqrt[3]{8}")]
+
+
+@pytest.mark.parametrize("first,second", EXPRESSIONS)
+def test_a_number_inside_an_expression_is_not_that_number(first, second):
+    for answer, reference in ((first, second), (second, first)):
+        assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True)[0] == 0.0
+        assert grpo.score(f"so {answer}", reference, True, reward="last-number")[0] == 0.0
 
 
 @pytest.mark.parametrize("answer,reference,reward", GRADER_CASES)
@@ -2060,6 +2077,51 @@ def test_two_gloo_processes_update_like_one(tmp_path):
             assert torch.allclose(ddp_state[k] - start[k], v - start[k], rtol=1e-3, atol=1e-7), (loss_type, k)
         assert ddp_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-7)
         assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
+
+TORCHRUN_WORKER = """
+import os, sys, time
+sys.path.insert(0, {here!r})
+import grpo
+save = grpo.save_checkpoint
+def slow_save(*args):  # a save long enough for torchrun to act while it runs
+    time.sleep(2)
+    save(*args)
+grpo.save_checkpoint = slow_save
+open(os.path.join({out!r}, "pid-" + os.environ["RANK"]), "w").write(str(os.getpid()))
+grpo.main(sys.argv[1:])
+"""
+
+
+def test_torchrun_ranks_stopped_by_sigterm_wait_for_rank_0s_save(tmp_path):
+    """Both ranks of a 2-process torchrun (gloo) get SIGTERM, as a scheduler sends it to every process. The
+    step in progress is saved: no rank exits before rank 0's save is complete. (Were rank 1 to exit at once,
+    torchrun would stop rank 0 in the middle of the save, its handler back to the default after the first
+    signal.) Fewer examples than ranks stops with one line."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER.format(here=str(HERE), out=str(out)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    flags = [*SMALL, "--out", str(out), "--resume", "--steps", "50", "--save-every", "0", "--eval-every", "0"]
+    proc = subprocess.Popen(command + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:  # eval at 0, step 1
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    for rank in (0, 1):
+        os.kill(int((out / f"pid-{rank}").read_text()), signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    stopped = re.search(r"grpo.py: SIGTERM after step (\d+): checkpoint saved", output)
+    assert stopped, output  # rank 0 printed its stop line: it was not killed mid-save
+    step = int(stopped.group(1))
+    assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"], output
+    assert (out / f"checkpoint-{step}" / "state.pt").is_file()
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1=", "answer": "2"}\n')
+    few = subprocess.run(command + ["--data", str(one), "--out", str(tmp_path / "few")], capture_output=True, text=True)
+    assert f"grpo.py: error: {one}: 1 examples, fewer than the 2 ranks" in few.stderr, few.stderr
 
 # -----------------------------------------------------------------------------
 # Benchmarks (GRPO_BENCH=1 python -m pytest -q -s): they print figures and assert nothing about speed.
