@@ -1,66 +1,43 @@
 """
-grpo.py: GRPO and three recent variants of it, in one file you can read top to bottom.
+grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
-    python grpo.py                      # GRPO (--loss-type dapo) on data/tiny (CPU, offline, ~28 s)
-    python grpo.py --variant lambda     # or ma, ta
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my_train.jsonl \\
-        --test-data my_test.jsonl --max-new-tokens 512 --lr 1e-6    # one GPU, bf16 autocast
-    torchrun --nproc_per_node=8 grpo.py ...   # data parallel: each rank samples its share
-    python grpo.py --resume ...         # one command starts a run, continues it, or finds it done
+    python grpo.py                     # GRPO on the tiny model in data/ (CPU, offline, ~30 s)
+    python grpo.py --variant ma        # or lambda, ta
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --test-data test.jsonl \\
+        --max-new-tokens 512 --lr 1e-6          # one GPU, bf16 autocast
+    torchrun --nproc_per_node=8 grpo.py ...     # data parallel: each rank samples its share
+    python grpo.py --resume ...        # one command starts a run, continues it, or finds it done
 
-The variants differ only in how completions are sampled and how advantages and token weights are
-filled in; the sampler, the log-prob pass and the loss are shared. Their objectives (the loss is
--J), with ρ_t = π(o_t | c, o_<t) / π_old(o_t | c, o_<t), |o| the length of completion o, and
-f(ρ, A) = min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) - β KL_t (Schulman's k3 estimator of the KL to a frozen
-reference, exp(ref - logp) - (ref - logp) - 1):
+Every variant samples completions o_i of contexts c_i, scores them, turns the rewards into
+advantages A, and takes a gradient step on the loss -J, where (ε_high = ε unless set)
 
-  grpo    GRPO (DeepSeekMath, arXiv 2402.03300): G completions o_i per prompt, A_i = r_i normalised
-          within the group; J = 1/(P G) Σ_i 1/|o_i| Σ_t f(ρ_it, A_i) (--loss-type grpo); the
-          default, dapo (arXiv 2503.14476), is one token mean over the batch: Σ_i Σ_t f / Σ_i |o_i|.
-  lambda  λ-GRPO (arXiv 2509.21154): the same with each f(ρ_it, A_i) divided by |λ(i,t)|, the
-          number of completions of the group that share o_i's prefix up to and including t.
-  ma      GRPO-MA (arXiv 2509.24494): K thoughts th_k per prompt, M answers a_kj per thought; V_k
-          (the mean reward of th_k's answers) normalised over the K, r_kj over all K*M;
-          J = J(thoughts) + J(answers), each aggregated on its own (--ma-weighting parts).
-  ta      TA-GRPO (arXiv 2601.22478): q0 and N rephrasings, G samples each, normalised jointly
-          over the (N+1) G responses; J as for the grpo variant (any --loss-type), with ρ and
-          ∇ log π taken as π(o | q0) (--ta-anchor rephrased: π(o | q_j), as the public code).
+    J = Σ_i Σ_t w_it (min(ρ_it A_it, clip(ρ_it, 1-ε, 1+ε_high) A_it) - β KL_it)
+    ρ_it = π(o_it | c_i, o_i<t) / π_old(o_it | c_i, o_i<t)      (= 1 at μ = 1, the default)
+    KL_it = exp(ref - logp) - (ref - logp) - 1                  (Schulman's k3, to a frozen copy)
+    w_it = 1 / (all tokens of the batch)                        (TRL's dapo; or grpo, dr_grpo)
 
-The default run is on-policy (μ = --num-iterations = 1): each batch makes one step, so π_old = π,
-ρ = 1, nothing is clipped and the gradient is the policy gradient A ∇ log π. `--num-iterations 2`
-reuses the batch and shows the clip; `--beta 0.04` adds the KL.
+The variants change only A and w:
 
-One training step (train_step, then update) in pseudocode:
+    grpo    A_i = r_i normalised within its group of G completions     (DeepSeekMath, 2402.03300)
+    lambda  w_it / |λ(i,t)|, the completions of the group that share o_i up to t  (2509.21154)
+    ma      K thoughts per prompt, M answers per thought; a thought's A from the mean reward of
+            its answers, normalised over the K; an answer's over all K·M     (GRPO-MA, 2509.24494)
+    ta      q0 and N rephrasings, G samples each, A normalised over all (N+1)·G; ρ and ∇ log π
+            taken as answers to q0                                   (TA-GRPO, 2601.22478)
 
-    batch = P prompts drawn from (seed, step)
-    rows, metrics = ROLLOUTS[variant](model, tokenizer, cfg, batch, rng), e.g. rollout_grpo:
-        completions = generate(model, tokenizer, prompts, G, ...)  # the policy at temperature T
-        rewards = score_batch(tokenizer, completions, answers)      # 1: EOS and the right answer
-        advantages = group_advantages(rewards, G)                   # (or ma_ / ta_advantages)
-    rows.loss_weights, tokens = global_loss_weights(rows, loss_type)  # each token's share of J
-    micro = micro_batches(rows, size)                               # a thought with its answers
-    old_logps = [rows_logps(model, m, T) for m in micro] if μ > 1   # (ref_logps if β > 0)
-    repeat μ times:
-        for m in micro:
-            logps = rows_logps(model, m, T)                         # log π(o_t | context, o_<t)
-            loss, _ = policy_loss(logps, old_logps[j] if μ > 1 else logps.detach(), ...)
-            loss.backward()                                         # the losses sum to -J
-        sum_gradients (over ranks); clip_grad_norm_; optimizer.step()
+At μ = --num-iterations = 1 a batch makes one step, so π_old = π, ρ = 1, nothing is clipped, and
+the gradient is the policy gradient Σ w A ∇ log π; --num-iterations 2 shows the clip, --beta 0.04
+adds the KL (DeepSeekMath: --loss-type grpo --beta 0.04).
 
-To add a variant: a rollout, by the checklist before rollout_grpo (section 4); update() does not
-know which variant made the rows. Under torchrun each rank samples its share of the prompts, and the
-ranks meet only in all_reduce: the batch's counts (global_loss_weights), the gradients
-(sum_gradients), the logged numbers (global_means, update, evaluate) and the stop signal (train).
+Simplified versus the papers: a short KV-cache sampler of the file's own (no vLLM: one process
+samples and trains, so models up to ~1-3B on one GPU); the reward reads one number (or compares
+text), not math_verify; no LoRA, the reference is a full copy; GRPO-MA's unclosed thoughts get no
+answers and value 0, and its thought/answer weighting is our reading (the paper publishes none);
+TA-GRPO's rephrasings come from the data file; the learning rate warms up, then stays constant.
 
-Simplified versus the papers: sampling is a short KV-cache loop (no vLLM, no paged attention; one
-process samples and trains, so models up to ~1-3B on one GPU); the reward is exact match after
-number normalisation, not math_verify; no LoRA, and the reference is a full frozen copy; GRPO-MA's
-unclosed thoughts get no answers and value 0, and its thought/answer weighting is our reading (the
-paper does not publish one); TA-GRPO's rephrasings come from the data file, not GPT-4-Turbo; the
-learning rate warms up linearly and then stays constant.
-
-Sections 1-6 are the algorithm, in the order a first read wants them; section 7 (its last ~365
-lines) is plumbing a first read can skip.
+Sections: 1 the ideas (one function per scheme, then the loss), 2 the reward, 3 the sampler,
+4 Config, the rows and one rollout per variant, 5 log-probs and the update, 6 the loop and the
+eval, 7 plumbing (flags, data, checkpoints, signals, torchrun) that a first read can skip.
 """
 
 import contextlib
@@ -76,8 +53,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import NamedTuple
-from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -88,79 +63,23 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
-HERE = Path(__file__).resolve().parent
-SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
-
-def _opt(default, help, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-@dataclass
-class Config:
-    """Every field is a command-line flag: --field-name."""
-    # model and data
-    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
-    data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
-    test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
-    system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
-    response_prefix: str = _opt("", "text the reply starts with, after the generation prompt (e.g. "
-                                "<think>): part of the prompt, never sampled or trained")
-    variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
-    # sampling
-    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per phrasing (ta)")
-    prompts_per_step: int = _opt(16, "P: prompts per step")
-    max_new_tokens: int = _opt(32, "completion length limit (for ma: the thought's limit)")
-    temperature: float = _opt(1.0, "sampling temperature; log-probs use the same (no top-k/p)")
-    # GRPO-MA and TA-GRPO
-    num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
-    num_answers: int = _opt(4, "M (ma): answers per thought")
-    max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: str = _opt("parts", "(ma) parts: thoughts, answers apart", ["parts", "tokens"])
-    num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
-    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
-                          "rephrasing (public code)", ["original", "rephrased"])
-    # loss and optimisation
-    loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
-    scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
-    beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
-    epsilon: float = _opt(0.2, "lower clip range of the ratio")
-    epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
-    num_iterations: int = _opt(1, "mu: updates per sampled batch")
-    reward: str = _opt("tags", "the answer is in <answer> tags (or \\boxed), or the last number",
-                       ["tags", "last-number"])
-    format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
-    lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
-    warmup_steps: int = _opt(10, "linear warmup over training steps, then constant")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    max_grad_norm: float = _opt(1.0, "gradient clipping")
-    micro_batch_size: int = _opt(64, "rows per forward/backward of the update (sampling: all)")
-    steps: int = _opt(100, "training steps")
-    # eval, logging, checkpoints, runtime
-    eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
-    eval_samples: int = _opt(8, "samples per held-out question for pass@k")
-    eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
-    log_completions: int = _opt(25, "every N steps, show a group as text (0 = off; log_group)")
-    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end; SIGTERM saves)")
-    out: str = _opt("out", "run folder: metrics.jsonl, completions.jsonl, checkpoint, summary")
-    resume: bool = _opt(False, "continue the run in --out, or start it (see prepare_out)")
-    overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
-    seed: int = _opt(0, "seed for data order, sampling and init")
-    device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
-    gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
-
 # -----------------------------------------------------------------------------
-# 1. The ideas: one small function per scheme, on plain tensors, then the loss.
+# 1. The ideas: one function per scheme, on plain tensors (each can be copied out alone).
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
-    """GRPO advantages: with r of shape (groups, G), G = group_size consecutive rewards,
-    A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), the std unbiased (ddof=1,
-    as TRL); scale="none" skips the division (Dr. GRPO). Two refinements: a group whose rewards are
-    all equal gets exactly 0; NaN rewards mark rows that do not exist (TA's missing rephrasings,
-    MA's unanswered thoughts), which are left out of the statistics and get NaN back.
+    """GRPO's advantages; rewards (groups * G,), G = group_size consecutive rewards per group.
 
-    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean 0.25, std 0.5
+        A = (r - mean(r)) / (std(r) + eps)   per group, std unbiased (ddof=1) as TRL
+        A = r - mean(r)                      scale="none" (Dr. GRPO)
+
+    A group whose rewards are all equal gets exactly 0, not rounding noise over eps. A NaN reward
+    marks a row that does not exist (TA's missing rephrasing, MA's unanswered thought): it is left
+    out of its group's statistics and gets NaN back.
+
+    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean .25, std .5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
     """
-    r = rewards.reshape(-1, group_size)  # (num_groups, group_size)
+    r = rewards.reshape(-1, group_size)  # (groups, G)
     adv = r - r.nanmean(1, keepdim=True)
     if scale == "group":  # unbiased std, NaN left out (torch has no nanstd); one reward: 0/0 -> 0
         n = (~r.isnan()).sum(1, keepdim=True)
@@ -175,17 +94,19 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     return adv.reshape(rewards.shape)
 
 def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA advantages from a (P, K, M) reward tensor: P prompts, K thoughts each, M answers per
-    thought. A thought's value V(th_k) is the mean of its M answer rewards; the thought advantage
-    normalises V over the K thoughts of its prompt; the answer advantage normalises the rewards over
-    all K*M answers of the prompt (not within a thought). A thought that was never answered (it did
-    not close with </think>) has NaN answer rewards: its value is 0 and its missing answers are left
-    out of the answer statistics. Returns (thought_adv (P, K), answer_adv (P, K, M), V (P, K)).
+    """GRPO-MA's advantages; rewards (P, K, M): P prompts, K thoughts each, M answers per thought.
 
-    Rewards [[1, 1], [1, 0]] (P=1, K=2, M=2): V = [1, 0.5] -> thought_adv = [0.7069, -0.7069];
-    answers: mean 0.75, std 0.5 -> answer_adv = [[0.4999, 0.4999], [0.4999, -1.4997]].
-    Rewards [[1, 0], [nan, nan]]: V = [0.5, 0] -> thought_adv = [0.7069, -0.7069];
-    answer_adv = [[0.7070, -0.7070], [nan, nan]] (the two real answers: mean 0.5, std 0.7071).
+        prompt -+- thought 1 -+- answer 1,1  r = 1     V(th_1) = 1     (the mean of its answers)
+                |             +- answer 1,2  r = 1
+                +- thought 2 -+- answer 2,1  r = 1     V(th_2) = 0.5
+                              +- answer 2,2  r = 0
+
+        thought advantages: V normalised over the K thoughts       [0.7069, -0.7069]
+        answer advantages:  r normalised over all K·M answers      [[0.4999, 0.4999],
+                            (mean 0.75, std 0.5; not per thought)   [0.4999, -1.4997]]
+
+    A thought that never closed (no </think>) has no answers: NaN rewards, value 0, and no place
+    in the answers' statistics. Returns (thought_adv (P, K), answer_adv (P, K, M), V (P, K)).
     """
     P, K, M = rewards.shape
     values = rewards.nanmean(-1).nan_to_num(0.0)  # (P, K); an unanswered thought is worth 0
@@ -194,28 +115,32 @@ def ma_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     return thought_adv, answer_adv, values
 
 def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
-    """TA-GRPO advantages from a (P, N+1, G) reward tensor: question q0 and its N rephrasings, G
-    responses each. All (N+1)*G responses of a question form one group. A question with fewer than N
-    rephrasings marks the missing ones with NaN rewards (a ragged group): ignored, NaN back.
+    """TA-GRPO's advantages; rewards (P, N+1, G): question q0, N rephrasings, G responses each.
 
-    Rewards [[1, 1], [0, 1]] (N=1, G=2): q0's group alone has zero variance, but pooled mean 0.75,
-    std 0.5 -> [[0.4999, 0.4999], [-1.4997, 0.4999]].
+        q0  "What is 3 + 5?"   r = 1 1     alone: all equal, no signal
+        q1  "Add 3 and 5."     r = 0 1
+        pooled over the (N+1)·G = 4: mean 0.75, std 0.5 -> [[0.4999, 0.4999], [-1.4997, 0.4999]]
+
+    A question with fewer than N rephrasings marks the missing ones with NaN (left out, NaN back).
     """
     P, Q, G = rewards.shape
     return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO token weights 1/|λ(i,t)|, (B, T) float, 0 where the mask is 0. Rows form groups of
-    `group_size` consecutive rows, each completion right-padded (its token t in column t). λ(i,t)
-    is the set of completions j in i's group (i itself and exact duplicates included) with
-    all(ids[j, :t+1] == ids[i, :t+1]) and all(mask[j, :t+1]), so the tokens of a shared prefix are
-    trained once per prefix, not once per completion. Loop-free: compare every pair of rows of a
-    group token by token (about 4·B·G·T bytes for B rows, G = group_size); a running product turns
-    "equal at t" into "equal up to t". They multiply the per-token loss (policy and KL), not the
-    normaliser: aggregation_weights * lambda_weights.
+    """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask. Rows form groups of group_size
+    right-padded completions; |λ(i,t)| counts the completions of i's group (i itself and exact
+    duplicates included) whose first t+1 tokens are i's, so a shared prefix is trained once:
 
-    Group {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ}: A,B -> 1/2; J,K,L -> 1/3; N,Q -> 1/2; the
-    other tokens 1.
+        A B C D           1/2 1/2  1   1
+        A B E F H I       1/2 1/2  1   1   1   1
+        J K L M           1/3 1/3 1/3  1
+        J K L N Q S T     1/3 1/3 1/3 1/2 1/2  1   1
+        J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
+        V W Y Z            1   1   1   1
+
+    Loop-free: every pair of a group's rows compared token by token (~4·B·G·T bytes), a running
+    product making "equal at t" "equal up to t". The weights scale the per-token loss (policy and
+    KL), not the normaliser: aggregation_weights(...) * lambda_weights(...).
     """
     B, T = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
@@ -224,17 +149,19 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)  # |λ(i,t)|, (groups, G, T)
     return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, T)
 
-# -----------------------------------------------------------------------------
 # The loss: TRL's aggregations as per-token weights, then the clipped ratio and the k3 KL.
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
-    """(B, T) weight of each token in the batch loss, as TRL aggregates: grpo, each row's token
-    mean, averaged over rows (1 / (|o_i| rows)); dapo, one token mean (1 / tokens); dr_grpo (arXiv
-    2503.20783), 1 / (rows * max_completion_length, else the padded width). To weigh a piece of a
-    batch (a micro-batch, a rank), pass the whole batch's num_rows and num_tokens: pieces add up.
+    """(B, T) weight of each token in the loss, as TRL aggregates (|o_i|: row i's tokens):
 
-    Rows of 2 and 4 tokens: grpo [1/4, 1/4], [1/8] * 4; dapo 1/6 each; dr_grpo (limit 8) 1/16 each.
+        dapo     1 / (all tokens)                     one token mean over the batch
+        grpo     1 / (rows · |o_i|)                   a mean over rows of each row's token mean
+        dr_grpo  1 / (rows · max_completion_length)   a constant (arXiv 2503.20783)
+
+    Rows of 2 and 4 tokens: dapo 1/6 each; grpo [1/4, 1/4], [1/8] * 4; dr_grpo (limit 8) 1/16.
+    To weigh a piece of a batch (a micro-batch, a rank), pass the whole batch's num_rows and
+    num_tokens: the pieces' losses then add up to the batch's.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -249,17 +176,19 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """GRPO surrogate loss (to minimise) and metrics. Per-token tensors are (B, T).
+    """The loss -J (to minimise) and its metrics; per-token tensors (B, T), advantages (B,) or
+    (B, T), finite on the mask.
 
-    per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1),
-    with ρ = exp(logp - old) and ε_high = ε when None (as TRL). At μ = 1, old = logp.detach(): ρ
-    is 1 and no token is clipped, but ρ's gradient is logp's, so the gradient is the policy
-    gradient. The loss is Σ loss_weights * per-token loss over the tokens of completion_mask: a mean
-    when the weights sum to 1, as aggregation_weights' do over a batch. For one batch, λ-GRPO's
-    loss is w = aggregation_weights(mask, "dapo") * lambda_weights(ids, mask, G);
-    policy_loss(logps, logps.detach(), adv, mask, w). advantages: (B,), or (B, T) per token;
-    finite on the mask.
-    The metrics are 0-dim tensors, so the loss makes no device sync (and no graph break).
+        ρ = exp(logp - old)
+        KL = exp(ref - logp) - (ref - logp) - 1                      (k3)
+        per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β KL
+        loss = Σ loss_weights · per-token loss, over the mask
+
+    At μ = 1, old = logp.detach(): ρ = 1, whose gradient is ∇ logp. The two terms of the min then
+    tie; torch gives each half the gradient and the clip passes it inside its range, so the
+    gradient is -A ∇ logp: the policy gradient. With dapo or grpo weights (they sum to 1) the loss
+    is a mean. λ-GRPO: w = aggregation_weights(mask) * lambda_weights(ids, mask, G). ε_high = ε
+    when None, as TRL. The metrics are 0-dim tensors: no device sync, no graph break.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -282,54 +211,98 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
 # -----------------------------------------------------------------------------
-# 2. The reward: exact match of the final answer (model output is text: read, never run).
+# 2. The reward: 1 for a finished completion whose answer is the reference. Model output is text:
+# it is read, never run. Only what follows the first </think> can be the answer.
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
 
-# The number reader: an answer is a number only when one number stands alone in it, once the known
-# wrappers are gone. A false positive is worse than a miss: the policy is trained toward it.
+def after_thought(text: str):
+    """The text after the first </think> (all of it without one; None if a <think> never closes),
+    so that an answer written inside the thought is never credited."""
+    if "<think>" in text and "</think>" not in text:
+        return None
+    return text.split("</think>", 1)[-1]
+
+def extract_answer(text: str, reward: str = "tags"):
+    """The answer after the thought, or None: the last <answer>...</answer>, else the last
+    \\boxed{...}; with reward="last-number", the last number (as GSM8K graders read it), unless
+    it is part of an expression."""
+    text = after_thought(text)
+    if text is None:
+        return None
+    if reward == "last-number":
+        runs = number_runs(unwrap(text))
+        return runs[-1] if runs else None
+    found = ANSWER_RE.findall(text)
+    if found:
+        return found[-1]
+    return boxed(text)
+
+def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
+          reward: str = "tags"):
+    """(reward, parsed) of one completion: 1 if it finished (EOS) and its answer is the reference,
+    plus format_reward if it finished as one <think>..</think> then one <answer>..</answer>.
+
+    - A numeric reference wants an answer that is that number (parse_number; '1/2' = '0.5').
+    - Any other reference is compared as text, without whitespace or a \\boxed{} around it.
+    - parsed: an answer was read (for a numeric reference, a number).
+    """
+    answer = extract_answer(text, reward)
+    ref_num = parse_number(reference)
+    answer_num = parse_number(answer) if answer is not None else None
+    parsed = answer is not None and (ref_num is None or answer_num is not None)
+    correct = False
+    if parsed and finished and ref_num is not None:
+        correct = answer_num == ref_num
+    elif parsed and finished:
+        correct = as_text(answer) == as_text(reference)
+    shaped = finished and FORMAT_RE.fullmatch(text) is not None
+    return float(correct) + format_reward * shaped, parsed
+
+def as_text(answer: str) -> str:
+    """An answer compared as text: what a \\boxed{} around it holds, without whitespace."""
+    return re.sub(r"\s", "", boxed(answer) or answer)
+
+def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
+    """(rewards, parsed, tagged), each (B,), of the Samples from generate (section 3). Each text
+    is read after `before` (one string, or one per row): the response prefix, and for a GRPO-MA
+    answer its thought too. tagged: the text wrote <answer> tags after the thought."""
+    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
+    before = [before] * len(texts) if isinstance(before, str) else before
+    texts = [b + text for b, text in zip(before, texts)]
+    finished = samples.finished.tolist()
+    scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
+    tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
+    rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
+    parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
+    return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
+
+# The number reader. An answer is a number only when one number stands alone in it once the
+# known wrappers are gone: a false positive is worse than a miss, the policy is trained toward it.
 
 BRACES = r"\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}"  # {...} with braces nested two levels inside
 BOXED_RE = re.compile(rf"\\boxed({BRACES})")
 TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
 FRAC_RE = re.compile(r"\\[dt]?frac\{(-?[0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of plain numbers
-# a run of digits joined by . , or / (linear: no backtracking); [0-9], not \d (other scripts)
-RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")
+RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")  # digits joined by . , / (linear: no backtrack)
 # a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
 DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
 NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
-MATH = set("\\^_{}")  # what is left of LaTeX once the wrappers are gone: an expression, not a number
+MATH = set("\\^_{}")  # LaTeX left once the wrappers are gone: an expression, not a number
 MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
-def boxed(text: str):
-    """What the last \\boxed{...} holds (braces nested two levels inside it), or None."""
-    found = BOXED_RE.findall(text)
-    return found[-1][1:-1] if found else None
-
-def unwrap(text: str) -> str:
-    """The text with the wrappers around numbers made plain: $ and \\$ go, \\text{x} is x set apart,
-    \\frac{a}{b} of plain numbers is a/b, the Unicode minus is -."""
-    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-")
-    return FRAC_RE.sub(r"\1/\2", TEXT_RE.sub(r" \1 ", text))
-
-def number_runs(text: str) -> list:
-    """The number-like runs of a text, as written; None for a run that touches a letter, a digit of
-    another script, LaTeX (\\ ^ _ { }) or a ! (2i, v2, x^2, 3\\pi, \\sqrt{2}, 4!)."""
-    runs = []
-    for match in RUN_RE.finditer(text):
-        around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
-        alone = not any(c.isalnum() or c in MATH or c == "!" for c in around)
-        runs.append(match.group() if alone else None)
-    return runs
-
 def parse_number(text: str):
-    """The one number an answer holds -> Fraction, else None. Inside the last \\boxed{} if there is
-    one; words and units set apart by spaces, $, \\$, \\text{}, ** and a final full stop around it
-    are ignored ('The answer is 1,234.', '18 eggs', '\\$12.50', '-\\frac{1}{2}', '.5', '-3/4').
-    None for two numbers ('7 or 8'), a malformed one ('3,5', '1, 2') and any LaTeX left once the
-    wrappers are gone ('3 \\pi', '\\frac{\\pi}{4}', 'x^2'): score then compares it as text."""
+    """The one number an answer holds -> Fraction, else None.
+
+    - Read inside the last \\boxed{} if there is one.
+    - Ignored around it: words and units set apart by spaces, $, \\$, \\text{}, ** and a final
+      full stop ('The answer is 1,234.', '18 eggs', '\\$12.50', '-\\frac{1}{2}', '.5', '-3/4').
+    - None for two numbers ('7 or 8'), a malformed one ('3,5', '1, 2'), and an expression: LaTeX
+      left once the wrappers are gone ('3 \\pi', '\\sqrt{2}'), or a number that touches a letter
+      or a ! ('2i', 'v2', '4!'). score then compares the answer with the reference as text.
+    """
     inner = boxed(text)
     text = unwrap(text if inner is None else inner)
     runs = number_runs(text)
@@ -342,68 +315,35 @@ def parse_number(text: str):
         return None
     return Fraction(numerator) / Fraction(denominator or 1)
 
-def after_thought(text: str):
-    """The text after the first </think> (all of it without one; None if a <think> never closes),
-    so that an answer written inside the thought is never credited."""
-    if "<think>" in text and "</think>" not in text:
-        return None
-    return text.split("</think>", 1)[-1]
+def boxed(text: str):
+    """What the last \\boxed{...} holds (braces nested two levels inside it), or None."""
+    found = BOXED_RE.findall(text)
+    return found[-1][1:-1] if found else None
 
-def extract_answer(text: str, reward: str = "tags"):
-    """The answer after the thought, or None: the last <answer>...</answer>, else the last
-    \\boxed{...}; with reward="last-number", the last number (as GSM8K graders read it)."""
-    text = after_thought(text)
-    if text is None:
-        return None
-    if reward == "last-number":  # the last run, unless it is part of an expression (then None)
-        runs = number_runs(unwrap(text))
-        return runs[-1] if runs else None
-    found = ANSWER_RE.findall(text)
-    if found:
-        return found[-1]
-    return boxed(text)
+def unwrap(text: str) -> str:
+    """The text with the wrappers around numbers made plain: $ and \\$ go, \\text{x} is x set
+    apart, \\frac{a}{b} of plain numbers is a/b, the Unicode minus is -."""
+    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-")
+    return FRAC_RE.sub(r"\1/\2", TEXT_RE.sub(r" \1 ", text))
 
-def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
-          reward: str = "tags"):
-    """(reward, parsed): 1 if the completion finished (EOS) and its answer equals the reference,
-    plus format_reward if it finished with one <think>..</think> then one <answer>..</answer>.
-    A numeric reference needs an answer that is that number (parse_number); any other reference is
-    compared as text, without whitespace or a \\boxed{} around it. parsed: an answer was read."""
-    answer = extract_answer(text, reward)
-    ref_num = parse_number(reference)
-    answer_num = parse_number(answer) if answer is not None else None
-    parsed = answer is not None and (ref_num is None or answer_num is not None)
-    correct = False
-    if parsed and finished and ref_num is not None:
-        correct = answer_num == ref_num
-    elif parsed and finished:
-        plain = lambda t: re.sub(r"\s", "", boxed(t) or t)
-        correct = plain(answer) == plain(reference)
-    shaped = finished and FORMAT_RE.fullmatch(text) is not None
-    return float(correct) + format_reward * shaped, parsed
-
-def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
-    """(rewards, parsed, tagged), each (B,), of the completions in `samples` (from generate, in
-    section 3), each read after the text `before` it (a string for all, or one per row): the
-    response prefix, and for a GRPO-MA answer its thought too. tagged: <answer> after the thought."""
-    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
-    before = [before] * len(texts) if isinstance(before, str) else before
-    texts = [b + text for b, text in zip(before, texts)]
-    finished = samples.finished.tolist()
-    scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
-    tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
-    rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
-    parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
-    return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
+def number_runs(text: str) -> list:
+    """The number-like runs of a text, as written; None for a run that touches a letter, a digit
+    of another script, LaTeX (\\ ^ _ { }) or a ! (2i, v2, x^2, 3\\pi, \\sqrt{2}, 4!)."""
+    runs = []
+    for match in RUN_RE.finditer(text):
+        around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
+        alone = not any(c.isalnum() or c in MATH or c == "!" for c in around)
+        runs.append(match.group() if alone else None)
+    return runs
 
 # -----------------------------------------------------------------------------
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
 # A first read needs only generate(): n samples per prompt, returned as Samples.
 
-def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = "") -> list[int]:
-    """A question (with the system prompt) chat-templated into token ids, generation prompt on, then
-    the response prefix (the reply's first words, as DeepSeek-R1's template ends with <think>). The
-    prefix is tokenized on its own, as the model would have written it after the template."""
+def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
+    """A question (after the system prompt) chat-templated into token ids, generation prompt on,
+    then the response prefix: the reply's first words (DeepSeek-R1's template ends with <think>),
+    tokenized on their own, as the model would have written them. Never sampled, never trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -416,7 +356,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     covers both, with padding (0) anywhere. Returns the last hidden states (B, T, H)."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    # cache= is transformers 5.24's name for past_key_values (load_model refuses older versions)
+    # cache= is transformers 5.24's name for past_key_values (requirements.txt: 5.24 or newer)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
@@ -465,11 +405,14 @@ class Samples:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
-    """n samples for each prompt (token ids), rows in prompt order, one token per forward pass;
-    each prompt is prefilled once and its cache copied to its n rows. A row ends at an EOS token
-    (any of eos_ids), at the length limit, or at the token whose text completes a stop string;
-    ended rows leave the batch. Only the temperature shapes the draw (not the generation config).
-    Eval mode: no dropout, and HF's gradient checkpointing would drop the cache."""
+    """n samples for each prompt (token ids), rows in prompt order, one token per forward pass.
+
+    - Each prompt is prefilled once and its cache copied to its n rows.
+    - A row ends at an EOS token (any of eos_ids), at the length limit, or at the token whose text
+      completes a stop string; ended rows leave the batch.
+    - Only the temperature shapes the draw: no top-k, no top-p, nothing of the generation config.
+    - Eval mode: no dropout, and HF's gradient checkpointing would drop the cache.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -534,27 +477,84 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
             for ids, m in zip(completion_ids, completion_mask)]
 
 # -----------------------------------------------------------------------------
-# 4. Rows, their loss weights, and the rollouts: one function per variant fills the rows.
+# 4. The config, the rows every variant produces, and one rollout per variant.
+
+HERE = Path(__file__).resolve().parent
+SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
+
+def _opt(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+@dataclass
+class Config:
+    """Every field is a command-line flag: --field-name."""
+    # model and data
+    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
+    data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
+    test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
+    system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
+    response_prefix: str = _opt("", "text the reply starts with, after the generation prompt (e.g. "
+                                "<think>): part of the prompt, never sampled or trained")
+    variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
+    # sampling
+    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per phrasing (ta)")
+    prompts_per_step: int = _opt(16, "P: prompts per step")
+    max_new_tokens: int = _opt(32, "completion length limit (for ma: the thought's limit)")
+    temperature: float = _opt(1.0, "sampling temperature; log-probs use the same (no top-k/p)")
+    # GRPO-MA and TA-GRPO
+    num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
+    num_answers: int = _opt(4, "M (ma): answers per thought")
+    max_answer_tokens: int = _opt(24, "answer length limit (ma)")
+    ma_weighting: str = _opt("parts", "(ma) parts: thoughts, answers apart", ["parts", "tokens"])
+    num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
+    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
+                          "rephrasing (public code)", ["original", "rephrased"])
+    # loss and optimisation
+    loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
+    scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
+    beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
+    epsilon: float = _opt(0.2, "lower clip range of the ratio")
+    epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
+    num_iterations: int = _opt(1, "mu: updates per sampled batch")
+    reward: str = _opt("tags", "the answer is in <answer> tags (or \\boxed), or the last number",
+                       ["tags", "last-number"])
+    format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
+    lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
+    warmup_steps: int = _opt(10, "linear warmup over training steps, then constant")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = _opt(1.0, "gradient clipping")
+    micro_batch_size: int = _opt(64, "rows per forward/backward of the update (sampling: all)")
+    steps: int = _opt(100, "training steps")
+    # eval, logging, checkpoints, runtime
+    eval_every: int = _opt(50, "eval every N steps (0 = only at start and end)")
+    eval_samples: int = _opt(8, "samples per held-out question for pass@k")
+    eval_limit: int = _opt(0, "use only the first N held-out questions (0 = all)")
+    log_completions: int = _opt(25, "every N steps, show a group as text (0 = off; log_group)")
+    save_every: int = _opt(50, "checkpoint every N steps (0 = only at the end; SIGTERM saves)")
+    out: str = _opt("out", "run folder: metrics.jsonl, completions.jsonl, checkpoint, summary")
+    resume: bool = _opt(False, "continue the run in --out, or start it (see prepare_out)")
+    overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
+    seed: int = _opt(0, "seed for data order, sampling and init")
+    device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
+    gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
 
 @dataclass
 class Rows:
-    """Completions to train on, each pointing at its context (its prompt, and for a GRPO-MA answer
-    the thought row in between) so that a shared context is encoded once. A rollout fills them as
-    the checklist before rollout_grpo says. Invariants: each completion right-padded, its mask a run
-    of 1s from column 0; every 2-D tensor field is (B, C) (select cuts them all to the columns in
-    use); a parent row continues its prompt (one level); advantages finite (the last two asserted
-    by global_loss_weights)."""
+    """What a rollout hands to update(), whichever the variant: completions with their advantages.
+    Row i continues prompts[prompt_index[i]] and then, for a GRPO-MA answer, the completion of row
+    parent[i] (its thought); a context is named, not copied, so that it is encoded once. Each
+    completion is right-padded, its mask a run of 1s from column 0; 2-D fields are (B, C)."""
     prompts: list[list[int]]       # the distinct prompts (chat-templated token ids)
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
-    advantages: torch.Tensor       # (B,), or (B, C) per token, 0 off the mask (see policy_loss)
-    loss_parts: list | None = None  # LossParts: rows whose loss is aggregated on its own
-    part: torch.Tensor | None = None  # (B,) each row's index in loss_parts (None: all in part 0)
+    advantages: torch.Tensor       # (B,), or (B, C) per token; finite where the mask is 1
+    max_lengths: list = field(default_factory=list)  # each loss part's length limit (dr_grpo's)
+    part: torch.Tensor | None = None  # (B,) each row's loss part (None: all in part 0)
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
-    rewards: torch.Tensor | None = None  # (B,) for --log-completions (MA thoughts: their value)
-    loss_weights: torch.Tensor | None = None  # (B, C) each token's share of J (set by update)
+    rewards: torch.Tensor | None = None  # (B,) shown by log_group (an MA thought: its value)
+    loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J (update sets it)
 
     def __len__(self):
         return len(self.completion_ids)
@@ -596,59 +596,59 @@ class Rows:
         picked["prompts"] = [self.prompts[p] for p in used.tolist()]
         return Rows(**picked)
 
-class LossPart(NamedTuple):
-    """The rows of one part (see Rows.part) are aggregated on their own; the losses are summed."""
-    nominal_rows: int      # rows planned (P*G...), missing ones too: dr_grpo's, summed over ranks
-    max_len: int           # the longest completion it allowed (dr_grpo's constant)
-
 def global_loss_weights(rows: Rows, loss_type: str):
-    """What update() first does with the rows: (weights, tokens), (B, C) each token's weight in J
-    over the global batch (all ranks), and the global batch's token count. In each of
-    rows.loss_parts the weights are aggregation_weights with the part's global counts (dr_grpo: its
-    nominal rows, what the rollout set out to make, and its longest allowed completion), so each
-    part's weights sum to 1 (dapo, grpo) and J is a sum of one mean per part; λ-GRPO's inv_lambda
-    multiplies them. GRPO-MA's two parts under dapo: a thought token gets 1 / (all thought tokens),
-    an answer token 1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens
-    get only Lt / (Lt + M La) of J (answers: La)."""
-    assert rows.loss_parts is not None, "the rollout sets loss_parts"
+    """What update() first does with the rows: (weights, tokens), each token's w in J over the
+    global batch (all ranks), (B, C), and that batch's token count.
+
+    - Each loss part (rows.part: one, or GRPO-MA's thoughts and answers) is aggregated on its own
+      (aggregation_weights with the part's global counts and length limit), so under dapo and
+      grpo each part's weights sum to 1 and J is a sum of one mean per part.
+    - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
+      1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens get
+      Lt / (Lt + M La) of J, answers of La the rest.
+    - λ-GRPO's 1/|λ| multiplies the weights (policy and KL terms), not the normaliser.
+    """
+    assert rows.max_lengths, "the rollout sets each loss part's max_lengths"
     assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
     parents = rows.parent[rows.parent >= 0]
     assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
-    for k, (nominal_rows, max_len) in enumerate(rows.loss_parts):
+    for k, max_len in enumerate(rows.max_lengths):
         in_part = part == k
         mask = rows.completion_mask[in_part]
-        n_rows, n_tokens, nominal_rows = all_reduce([len(mask), mask.sum().item(), nominal_rows])
-        if loss_type == "dr_grpo":
-            n_rows = nominal_rows
+        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # (section 7: over ranks)
         weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
         tokens += n_tokens
-    if rows.inv_lambda is not None:  # λ-GRPO: scales policy and KL terms, not the normaliser
+    if rows.inv_lambda is not None:
         weights = weights * rows.inv_lambda
     return weights, tokens
 
 # To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
 # rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
-#   1. prompts = [prompt_ids(...)]; completions = generate(...) inside timed(metrics, "time/sample")
+#   1. prompts = [prompt_ids(...)]; samples = generate(...) inside timed(metrics, "time/sample")
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
-#   3. Rows: prompt_index for each row, parent -1 (or a top row: MA's answer continues its thought),
-#      loss_parts (and part, for more than one), each with the rows it set out to make (dr_grpo)
+#   3. Rows: prompt_index for each row, parent -1 (or a thought row, for an answer), max_lengths
+#      (and part, for more than one loss part)
 #   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
-# (timed, all_reduce and the rest of the torchrun helpers are plumbing, in section 7)
+# (timed, all_reduce and global_means are plumbing, in section 7)
 
-def sample_metrics(rewards, groups, parsed, tagged, samples) -> dict:
-    """The metrics of one step's samples (tensors: means); groups: (groups, n) rewards."""
-    return {"reward": rewards, "frac_reward_zero_std": groups.amax(1) == groups.amin(1),
+def sample_metrics(rewards, grouped_adv, parsed, tagged, samples) -> dict:
+    """The metrics every rollout logs (tensors: means over their elements). reward: that of the
+    completions scored; frac_reward_zero_std: the share of normalisation groups (the rows of
+    grouped_adv, NaN where a row does not exist) without a signal, every advantage 0."""
+    no_signal = (grouped_adv.nan_to_num(0.0) == 0).all(1)
+    return {"reward": rewards, "frac_reward_zero_std": no_signal,
             "completion_length": samples.completion_mask.sum(1).float(),
             "truncated": ~samples.finished, "unparseable": ~parsed, "format": tagged}
 
 def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO (and λ-GRPO): G completions per prompt, group-normalised advantages; for `lambda` the
-    rows also carry 1/|λ| token weights."""
+    """GRPO and λ-GRPO: G completions per prompt, group-normalised advantages; for `lambda` the
+    rows also carry 1/|λ| token weights (logged for both: how much a group's completions share)."""
     G, metrics = cfg.num_generations, {}
-    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in batch]
+    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+               for ex in batch]
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
@@ -656,27 +656,32 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
                                           cfg.response_prefix)
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
-    inv_lambda = lambda_weights(ids, mask, G)  # 1/|λ|, logged for grpo too: how much rows share
+    inv_lambda = lambda_weights(ids, mask, G)
     on = mask.bool()
-    metrics.update(sample_metrics(rewards, rewards.view(-1, G), parsed, tagged, s),
+    metrics.update(sample_metrics(rewards, advantages.view(-1, G), parsed, tagged, s),
                    lambda_mean=1 / inv_lambda[on],      # mean |λ| over tokens
                    lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
-                loss_parts=[LossPart(len(batch) * G, cfg.max_new_tokens)], rewards=rewards,
-                inv_lambda=inv_lambda if cfg.variant == "lambda" else None)
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, [cfg.max_new_tokens],
+                rewards=rewards, inv_lambda=inv_lambda if cfg.variant == "lambda" else None)
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, each ending at the token whose text completes </think>, then
-    M answers per thought, sampled after the prompt + the thought's tokens and scored on the
-    thought's text + their own. An *unclosed* thought (no </think>) gets no answers (NaN rewards)
-    and value 0, and is still trained with its advantage. Rows: the P*K thoughts, then the closed
-    ones' answers (weights: global_loss_weights). P = 1, K = 2, M = 2, thought 1 unclosed: rows 0, 1
-    the thoughts (parent -1), rows 2, 3 thought 0's answers (parent 0)."""
+    """GRPO-MA (ma_advantages): K thoughts per prompt, each ending at the token whose text
+    completes </think>; M answers per closed thought, sampled after prompt + thought and scored on
+    prefix + thought + answer. A thought that never closes gets no answers and value 0, and is
+    trained with its advantage. Rows for P = 1, K = 2, M = 2, thought 1 unclosed:
+
+        row  completion       parent  advantage  part (--ma-weighting parts)
+        0    thought 0        -1      A(th_0)    0: thoughts, limit --max-new-tokens
+        1    thought 1 (open) -1      A(th_1)    0
+        2    answer 0,0        0      A(a_0,0)   1: answers, limit --max-answer-tokens
+        3    answer 0,1        0      A(a_0,1)   1
+    """
     K, M, P, metrics = cfg.num_thoughts, cfg.num_answers, len(batch), {}  # P: this rank's prompts
-    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in batch]
+    prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+               for ex in batch]
     with timed(metrics, "time/sample"):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                       stop_strings=["</think>"])
@@ -684,56 +689,59 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         thought_texts = decode(tokenizer, th_ids, th_mask)
         closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P*K,) bool
         closed_rows = closed.nonzero().squeeze(1).tolist()
-        # generate's rows are prompt-major: thought k of prompt p is row p*K + k (prompt: row // K)
-        contexts = [prompts[row // K] + th_ids[row][th_mask[row].bool()].tolist()
-                    for row in closed_rows]
+        # generate's rows are prompt-major: thought row r belongs to prompt r // K
+        contexts = [prompts[r // K] + th_ids[r][th_mask[r].bool()].tolist() for r in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    parents = [row for row in closed_rows for _ in range(M)]  # each answer's thought row
-    answers = [batch[row // K]["answer"] for row in parents]
-    before = [cfg.response_prefix + thought_texts[row] for row in parents]  # prefix + thought
+    parents = [r for r in closed_rows for _ in range(M)]  # each answer's thought row
+    answers = [batch[r // K]["answer"] for r in parents]
+    before = [cfg.response_prefix + thought_texts[r] for r in parents]
     answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
                                                  cfg.reward, before)
-    rewards = torch.full((P * K, M), math.nan)  # (P*K, M): an unclosed thought has no answers
+    rewards = torch.full((P * K, M), math.nan)  # an unclosed thought's answers do not exist
     rewards[closed] = answer_rewards.view(-1, M)
     thought_adv, answer_adv, values = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
     ids = pad_sequence(list(th_ids) + list(ans.completion_ids.cpu()), batch_first=True,
                        padding_value=tokenizer.pad_token_id)
     mask = pad_sequence(list(th_mask) + list(ans.completion_mask.cpu()), batch_first=True)
     advantages = torch.cat([thought_adv.view(-1), answer_adv.view(P * K, M)[closed].view(-1)])
-    parent = torch.tensor([-1] * (P * K) + parents)  # a thought continues its prompt directly
-    prompt_index = torch.tensor([row // K for row in range(P * K)] + [row // K for row in parents])
-    # rows: the P*K thoughts (prompt-major), then M answers for each closed thought, in its order
-    # reward and zero variance: the thought values'; lengths, truncated, format: the answers'
-    metrics.update(sample_metrics(values, groups=values, parsed=parsed, tagged=tagged, samples=ans),
-                   answer_reward=answer_rewards, unclosed_thoughts=~closed,
+    parent = torch.tensor([-1] * (P * K) + parents)
+    prompt_index = torch.tensor([r // K for r in range(P * K)] + [r // K for r in parents])
+    # the completions are the answers; the thoughts have metrics of their own
+    metrics.update(sample_metrics(answer_rewards, answer_adv.view(P, -1), parsed, tagged, ans),
+                   thought_value=values, frac_value_zero_std=(thought_adv == 0).all(1),
+                   unclosed_thoughts=~closed,
                    thought_length=th_mask.sum(1).float())
-    if cfg.ma_weighting == "parts":  # part 0 the thoughts, part 1 the answers
-        part = (parent >= 0).long()
-        loss_parts = [LossPart(P * K, cfg.max_new_tokens),
-                      LossPart(P * K * M, cfg.max_answer_tokens)]
+    if cfg.ma_weighting == "parts":
+        part, max_lengths = (parent >= 0).long(), [cfg.max_new_tokens, cfg.max_answer_tokens]
     else:  # one token mean over thoughts and answers
-        part = None
-        loss_parts = [LossPart(P * K * (1 + M), max(cfg.max_new_tokens, cfg.max_answer_tokens))]
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, loss_parts, part,
+        part, max_lengths = None, [max(cfg.max_new_tokens, cfg.max_answer_tokens)]
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, max_lengths, part,
                 rewards=torch.cat([values.view(-1), answer_rewards]))
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """TA-GRPO: each question q0 with up to N of its rephrasings (drawn afresh each step), G
-    responses to each, advantages normalised jointly over the question's (n+1)*G responses (ragged
-    when n < N). --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the
-    ratio is 1 either way, but the gradient is ∇ log π(o | q0), not ∇ log π(o | q_j).
-    `rephrased` keeps the prompt that produced the response (the public code). Rows: per question
-    p, per phrasing j (0 = q0), G samples; N = 2, G = 2 and one rephrasing drawn: rows (p, j, g) =
-    (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), and rewards[0, 2] (the missing one) stays NaN."""
+    """TA-GRPO (ta_advantages): each question q0 with up to N of its rephrasings (drawn afresh each
+    step), G responses to each, advantages normalised over the question's (n+1)·G responses.
+    --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the ratio is 1
+    either way, but the gradient is ∇ log π(o | q0); `rephrased` keeps the prompt that produced
+    the response (the public code). Rows for P = 1, N = 2, G = 2, one rephrasing drawn:
+
+        row  phrasing  prompt_index (original / rephrased)  its (p, j, g) in rewards
+        0    q0        0 / 0                                 [0, 0, 0]
+        1    q0        0 / 0                                 [0, 0, 1]
+        2    q1        0 / 1                                 [0, 1, 0]
+        3    q1        0 / 1                                 [0, 1, 1]
+                                               (rewards[0, 2] stays NaN: no second rephrasing)
+    """
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
-    phrasings, first = [], []  # every phrasing's prompt; where each question's q0 is among them
-    slots = []  # one row per (question p, phrasing j, sample g), in that order
+    phrasings, q0_of = [], []  # every phrasing's prompt; each question's q0 among them
+    slots = []  # (question p, phrasing j, sample g) of each row, in row order
     for p, ex in enumerate(batch):
         drawn = rng.sample(ex["rephrasings"], min(N, len(ex["rephrasings"])))
-        first.append(len(phrasings))
+        q0_of.append(len(phrasings))
         for j, question in enumerate([ex["question"]] + drawn):
-            phrasings.append(prompt_ids(tokenizer, question, cfg.system_prompt, cfg.response_prefix))
+            phrasings.append(prompt_ids(tokenizer, question, cfg.system_prompt,
+                                        cfg.response_prefix))
             slots += [(p, j, g) for g in range(G)]
     p_idx, j_idx, g_idx = torch.tensor(slots).T
     with timed(metrics, "time/sample"):
@@ -741,24 +749,22 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     answers = [batch[p]["answer"] for p in p_idx.tolist()]
     r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
                                     cfg.response_prefix)
-    rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P here, N+1, G); NaN: no phrasing
+    rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G)
     rewards[p_idx, j_idx, g_idx] = r
-    pooled_adv = ta_advantages(rewards, cfg.scale_rewards)  # (P, N+1, G), NaN: no phrasing
+    pooled_adv = ta_advantages(rewards, cfg.scale_rewards)
     advantages = pooled_adv[p_idx, j_idx, g_idx]
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
     else:
-        prompts, prompt_index = [phrasings[i] for i in first], p_idx
-    # zero variance of q0's own G responses (what plain GRPO meets), then of the pooled groups,
-    # whose advantages group_advantages sets to exactly 0
-    pooled_constant = (pooled_adv.view(len(batch), -1).nan_to_num(0.0) == 0).all(1)
-    metrics.update(sample_metrics(r, rewards[:, 0], parsed, tagged, s),
-                   frac_reward_zero_std_pooled=pooled_constant, reward_original=rewards[:, 0],
+        prompts, prompt_index = [phrasings[i] for i in q0_of], p_idx
+    q0 = rewards[:, 0]  # q0's own G rewards: what plain GRPO would have had
+    metrics.update(sample_metrics(r, pooled_adv.view(len(batch), -1), parsed, tagged, s),
+                   frac_reward_zero_std_q0=q0.amax(1) == q0.amin(1), reward_q0=q0,
                    reward_rephrased=r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
-    loss_parts = [LossPart(len(batch) * (N + 1) * G, cfg.max_new_tokens)]  # all N+1 phrasings
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, loss_parts, rewards=r)
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, [cfg.max_new_tokens],
+                rewards=r)
     return rows, metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -768,9 +774,9 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 
 def flat_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
-    before it, the plain way: one forward pass per row over context + completion. The definition;
-    rows_logps (after update) is the fast way; this one serves --gradient-checkpointing, under
-    which HF drops KV caches."""
+    before it, the plain way: one forward pass per row over context + completion. The definition
+    (rows_logps, below update, is the fast way to the same numbers); it serves
+    --gradient-checkpointing, under which HF drops KV caches."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     device = rows.completion_ids.device
     input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
@@ -813,11 +819,15 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
-    """μ = --num-iterations optimiser steps on one batch of rows, whichever variant made them.
-    Sampling ran in eval mode, this runs in train mode: the same policy without dropout (Qwen2/3
-    and Llama configs set it to 0). A new per-token loss is a change to policy_loss; a new
-    aggregation (TRL's bnpo, say) one to aggregation_weights and global_loss_weights, which weigh
-    the whole batch before it is split, so that micro-batches and ranks add up to the batch."""
+    """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
+
+    - The weights w of the whole batch come first (global_loss_weights), so micro-batches and
+      ranks add up to the batch's loss; a new aggregation is a change to aggregation_weights, a
+      new per-token loss one to policy_loss.
+    - Old log-probs only at μ > 1, reference log-probs only at β > 0, both before the first step.
+    - Sampling ran in eval mode, this runs in train mode: the same policy without dropout (Qwen2/3
+      and Llama configs set it to 0).
+    """
     metrics = {}
     rows.loss_weights, all_tokens = global_loss_weights(rows, cfg.loss_type)  # before the split
     micro = micro_batches(rows, cfg.micro_batch_size)
@@ -828,7 +838,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
     with timed(metrics, "time/update"):
-        with torch.no_grad():  # old log-probs only when the batch is reused (μ > 1)
+        with torch.no_grad():
             old, ref = None, None
             if cfg.num_iterations > 1:
                 old = [logps_of(model, m, cfg.temperature) for m in micro]
@@ -845,7 +855,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                 totals["loss"] += loss.item() / cfg.num_iterations
                 for key, value in loss_metrics.items():  # means per token: weighted by share
                     totals[key] += value.item() * shares[j] / cfg.num_iterations
-            sum_gradients(model)
+            sum_gradients(model)  # over the ranks (section 7)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             if not math.isfinite(norm):  # a NaN step would poison the weights for good
                 raise UserError(f"the gradient norm is {norm}, so the update was not applied; "
@@ -858,24 +868,22 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     metrics["tokens"] = all_tokens
     return metrics
 
-# -----------------------------------------------------------------------------
-# The fast log-prob pass that update uses (a first read can skip it): flat_logps' numbers.
-
 def rows_logps(model, rows: Rows, temperature: float):
-    """flat_logps' numbers, each shared context encoded once: a prompt's cache is copied to its
-    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies. A
-    prompt, 2 thoughts, 2 answers each:
+    """flat_logps' numbers, each shared context encoded once: a prompt's KV cache is copied to its
+    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
 
-        level  rows                   input                 cache (a Prefix)      targets
-        0      prompt p1 p2 p3        p1 p2                 -                     -
-        1      th0, th1               p3, th_k[:-1]         p1 p2 (copied)        th_k
-        2      a00 a01, a10 a11       th_k[-1], a_kj[:-1]   p1 p2 p3 th_k[:-1]    a_kj
+    The one-token shift: a context's cache holds all its tokens but the last, which is the next
+    pass's first input (its output predicts the first new token). Prompt p1 p2 p3, thought t1 t2,
+    answer a1 a2:
 
-    Levels 1 and 2 are each one continue_rows. At each level the cache (a Prefix) holds every
-    context token but the last, which is the level's first input: the one-token shift. A row
-    shorter than its level leaves padding inside the cache, which is masked (positions count real
-    tokens only). After a change here or to Rows, `pytest test_grpo.py -k shared_prefix` checks the
-    values and gradients against flat_logps' for every variant."""
+        pass      input     cache before     predicts   cache after
+        prompt    p1 p2     -                -          p1 p2
+        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
+        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
+
+    A row shorter than its pass leaves padding inside the cache, masked (positions count real
+    tokens only). `pytest test_grpo.py -k shared_prefix` checks values and gradients against
+    flat_logps for every variant."""
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
@@ -893,7 +901,7 @@ def rows_logps(model, rows: Rows, temperature: float):
     return logps
 
 def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
-    """rows_logps' step: write into logps the log-probs of rows idx, each after its context in ctx,
+    """rows_logps' pass: write into logps the log-probs of rows idx, each after its context in ctx,
     and return the contexts that end with those rows, ready for their children."""
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
@@ -913,7 +921,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     """One step: draw P prompts (afresh each step, from (seed, step): no epochs), sample and score
     this rank's share, update. Returns the metrics."""
     t_step = time.perf_counter()
-    rank, W = rank_and_world()
+    rank, W = rank_and_world()  # (section 7: (0, 1) without torchrun)
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
     data_rng = random.Random(cfg.seed * 1_000_003 + step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
@@ -930,39 +938,11 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
     return metrics
 
-def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
-    """--log-completions: the rows of the batch's first prompt (GRPO-MA: thoughts with their
-    answers; TA under --ta-anchor rephrased: q0's G only) with reward, advantage and (λ-GRPO) mean
-    1/|λ|, in completions.jsonl and a table."""
-    shown = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
-    texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
-    entries, completions = {}, []
-    for i, text in zip(shown, texts):
-        on = rows.completion_mask[i].bool()
-        advantage = rows.advantages[i][on] if rows.advantages.dim() == 2 else rows.advantages[i]
-        entries[i] = {"text": text, "reward": rows.rewards[i].item(),
-                      "advantage": advantage.mean().item()}
-        if rows.inv_lambda is not None:
-            entries[i]["inv_lambda"] = rows.inv_lambda[i][on].mean().item()
-        if rows.parent[i] >= 0:  # an answer: listed under its thought
-            entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
-        else:
-            completions.append(entries[i])
-    record = {"step": step, "question": question, "completions": completions}
-    with open(Path(cfg.out) / "completions.jsonl", "a") as f:
-        f.write(json.dumps(finite(record), allow_nan=False) + "\n")
-    lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
-    for c in completions:
-        extra = f"  1/|λ| {c['inv_lambda']:.2f}" if "inv_lambda" in c else ""
-        lines.append(f"  {c['reward']:6.2f}  {c['advantage']:+9.2f}  {c['text'][:60]!r}{extra}")
-        for a in c.get("answers", []):
-            lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
-    tqdm.write("\n".join(lines))
-
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary (rank 0; None on the others).
     Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it
-    (after the step in progress and its eval). Setup, loading and saving are in section 7."""
+    (after the step in progress and its eval). The setup, loading, saving and signal helpers
+    (setup_distributed ... signals_caught) are plumbing, in section 7."""
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
@@ -976,7 +956,7 @@ def train(cfg: Config) -> dict:
 
     def write(record):
         if main_rank:
-            log.write(json.dumps(finite(record), allow_nan=False) + "\n")
+            log.write(json.dumps(record) + "\n")
             log.flush()
 
     def run_eval(step):  # at step 0, every --eval-every steps and at the end; rank 0 writes
@@ -1007,39 +987,13 @@ def train(cfg: Config) -> dict:
                          if main_rank else 1)
     return report(cfg, time.time() - t0) if main_rank else None
 
-def report(cfg: Config, wall_s: float) -> dict:
-    """Print and save the summary: the first and last eval in metrics.jsonl, median phase times."""
-    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
-    evals = [r["eval"] for r in records if "eval" in r]
-    steps = [r for r in records if "time/step" in r]
-    phases = {}
-    if steps:
-        for key in ("time/sample", "time/update", "time/step"):
-            phases[key[5:]] = float(np.median([r[key] for r in steps]))
-    before, after = evals[0], evals[-1]
-    summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
-               "wall_s": wall_s, "median_seconds_per_step": phases}
-    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("median seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
-    k = f"pass@{cfg.eval_samples}"
-    print(f"{cfg.variant}: greedy {before['greedy']:.3f} -> {after['greedy']:.3f} | "
-          f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f} | "
-          f"{k} {before[k]:.3f} -> {after[k]:.3f} | {wall_s:.0f} s")
-    return summary
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
              max_rows: int = 512) -> dict:
     """Greedy accuracy, pass@k (k = 1..n) from n = --eval-samples samples per question at the
-    training temperature, and the share of samples with answer tags. Chunks of at most max_rows
-    samples; chunk c is seeded with seed + c and sampled by rank c % W: what one process gets.
-    GRPO-MA's eval samples one plain completion of both limits, not thoughts and answers."""
+    training temperature, and format: the share of samples with answer tags. Chunks of at most
+    max_rows samples; chunk c is seeded with seed + c and sampled by rank c % W: what one process
+    gets. GRPO-MA's eval samples one plain completion of both limits, not thoughts and answers."""
     n = cfg.eval_samples
     rank, W = rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
@@ -1050,7 +1004,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
             continue
         torch.manual_seed(seed + c)
         chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix) for ex in chunk]
+        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+                   for ex in chunk]
         answers = [ex["answer"] for ex in chunk]
         s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
         scored = score_batch(tokenizer, s, answers, 0.0, cfg.reward, cfg.response_prefix)
@@ -1068,67 +1023,96 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
         result[f"pass@{k}"] = totals[1 + k] / len(examples)
     return result
 
-# -----------------------------------------------------------------------------
-# 7. Plumbing (a first read can stop here): numbers, flags, data, models, checkpoints, ranks.
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+# What a run shows: a group as text now and then, and the summary at the end.
+
+def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
+    """--log-completions: the rows of the batch's first prompt (GRPO-MA: thoughts with their
+    answers; TA under --ta-anchor rephrased: q0's G only) with reward, advantage and (λ-GRPO) mean
+    1/|λ|, in completions.jsonl and a table."""
+    shown = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
+    texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
+    entries, completions = {}, []
+    for i, text in zip(shown, texts):
+        on = rows.completion_mask[i].bool()
+        advantage = rows.advantages[i][on] if rows.advantages.dim() == 2 else rows.advantages[i]
+        entries[i] = {"text": text, "reward": rows.rewards[i].item(),
+                      "advantage": advantage.mean().item()}
+        if rows.inv_lambda is not None:
+            entries[i]["inv_lambda"] = rows.inv_lambda[i][on].mean().item()
+        if rows.parent[i] >= 0:  # an answer: listed under its thought
+            entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
+        else:
+            completions.append(entries[i])
+    record = {"step": step, "question": question, "completions": completions}
+    with open(Path(cfg.out) / "completions.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
+    for c in completions:
+        extra = f"  1/|λ| {c['inv_lambda']:.2f}" if "inv_lambda" in c else ""
+        lines.append(f"  {c['reward']:6.2f}  {c['advantage']:+9.2f}  {c['text'][:60]!r}{extra}")
+        for a in c.get("answers", []):
+            lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
+    tqdm.write("\n".join(lines))
+
+def report(cfg: Config, wall_s: float) -> dict:
+    """Print and save the summary: the first and last eval in metrics.jsonl, median phase times."""
+    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
+    evals = [r["eval"] for r in records if "eval" in r]
+    steps = [r for r in records if "time/step" in r]
+    phases = {}
+    if steps:
+        for key in ("time/sample", "time/update", "time/step"):
+            phases[key[5:]] = float(np.median([r[key] for r in steps]))
+    before, after = evals[0], evals[-1]
+    summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
+               "wall_s": wall_s, "median_seconds_per_step": phases}
+    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("median seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])  # a resume may change n
+    line = [f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in shown if k in before and k in after]
+    print(f"{cfg.variant}: " + " | ".join(line) + f" | {wall_s:.0f} s")
+    return summary
 
 # -----------------------------------------------------------------------------
-# Flags and data files: every bad value stops the run with one line that names it.
+# 7. Plumbing (a first read can stop here): flags, data, models, checkpoints, signals, ranks.
 
 class UserError(Exception):
-    """A bad flag, data line, file or step: main() prints it as one line, without a traceback."""
+    """A bad flag, data line or file: main() prints it as one line, without a traceback."""
 
 def reason(e: Exception) -> str:
     """The first line of an exception's message (its type when it has none)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
-# the smallest value of each numeric flag (others: 0, and lr, temperature, max_grad_norm > 0)
-LOWEST = {"num_generations": 2, "num_thoughts": 2, "prompts_per_step": 1, "num_answers": 1,
-          "num_rephrasings": 1, "max_new_tokens": 1, "max_answer_tokens": 1, "num_iterations": 1,
-          "micro_batch_size": 1, "eval_samples": 1}
-
 def parse_args(argv=None) -> Config:
-    """Flags from the Config fields, checked; local paths made absolute, as a requeue needs."""
+    """Config from the command line (argparse checks the types and choices); local paths made
+    absolute, so that a requeue started from another folder finds the same files."""
     parser = HfArgumentParser(Config, description="GRPO and variants.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
-    for f in fields(Config):
-        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if f.type is float and not math.isfinite(value):
-            raise UserError(f"{flag} must be a finite number, got {value}")
-        if f.name in ("lr", "temperature", "max_grad_norm") and value <= 0:
-            raise UserError(f"{flag} must be > 0, got {value}")
-        low = LOWEST.get(f.name, 0)
-        if f.type in (int, float) and f.name not in ("seed", "format_reward") and value < low:
-            raise UserError(f"{flag} must be >= {low}, got {value}")
     for name in ("model", "data", "test_data"):
         path = Path(getattr(cfg, name)).expanduser()
         if path.exists():
             setattr(cfg, name, str(path.resolve()))
     return cfg
 
-def is_text(value) -> bool:
-    """A non-empty string that UTF-8 can write (a lone surrogate such as "\\ud800" cannot)."""
-    if not isinstance(value, str):
-        return False
-    return value.strip() != "" and re.search("[\ud800-\udfff]", value) is None
-
-def parse_example(line: bytes) -> dict:
-    """A JSONL line -> {"question": str, "answer": str, "rephrasings": [str] (optional)}, or a
-    ValueError saying what is wrong (bad UTF-8 and bad JSON raise their own)."""
-    example = json.loads(line.decode("utf-8"), parse_float=Decimal, parse_int=Decimal)
+def check_example(example) -> dict:
+    """A data line's object with "rephrasings" ([] if absent), or a ValueError saying what is wrong:
+    question and answer must be non-empty strings, rephrasings a list of them."""
     if not isinstance(example, dict):
         raise ValueError("expected a JSON object with 'question' and 'answer'")
-    answer = example.get("answer")
-    if isinstance(answer, Decimal):  # a number, written out exactly (1e20 and 0.50 as such)
-        if abs(answer.adjusted()) > MAX_NUMBER_CHARS or parse_number(format(answer, "f")) is None:
-            raise ValueError("field 'answer' is a number too long to score")
-        example["answer"] = format(answer, "f")
     for key in ("question", "answer"):
-        if not is_text(example.get(key)):
-            raise ValueError(f"field '{key}' is missing, empty or not valid text")
+        if not isinstance(example.get(key), str) or not example[key].strip():
+            raise ValueError(f"field '{key}' must be a non-empty string")
     rephrasings = example.setdefault("rephrasings", [])
-    if not isinstance(rephrasings, list) or not all(is_text(r) for r in rephrasings):
-        raise ValueError("field 'rephrasings' must be a list of non-empty texts")
+    if not isinstance(rephrasings, list) or not all(isinstance(r, str) and r.strip()
+                                                    for r in rephrasings):
+        raise ValueError("field 'rephrasings' must be a list of non-empty strings")
     return example
 
 def load_jsonl(path) -> list[dict]:
@@ -1140,8 +1124,8 @@ def load_jsonl(path) -> list[dict]:
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
             if line.strip():
-                examples.append(parse_example(line))
-        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
+                examples.append(check_example(json.loads(line)))
+        except ValueError as e:  # bad UTF-8 and bad JSON are ValueErrors too
             raise UserError(f"{path}:{number}: {reason(e)}") from None
     if not examples:
         raise UserError(f"{path}: no examples")
@@ -1151,15 +1135,12 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """The training examples and the first --eval-limit held-out ones; TA needs rephrasings."""
     examples = load_jsonl(cfg.data)
     test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
+    if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
+        raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
     world = rank_and_world()[1]
     if len(examples) < world:
         raise UserError(f"{cfg.data}: {len(examples)} examples, fewer than the {world} ranks")
-    if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
-        raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
     return examples, test_examples
-
-# -----------------------------------------------------------------------------
-# Models, checkpoints, resume and signals.
 
 def pick_device(name: str) -> torch.device:
     """--device: auto picks the accelerator (cuda, mps) if there is one, else cpu."""
@@ -1170,8 +1151,6 @@ def pick_device(name: str) -> torch.device:
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
-    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
-        raise UserError(f"transformers {transformers.__version__}: grpo.py needs 5.24 or newer")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
@@ -1182,20 +1161,21 @@ def load_model(path: str, device):
     except Exception as e:  # a missing, corrupt or empty file: say which folder, in one line
         raise UserError(f"--model {path}: cannot load a model and tokenizer there "
                         f"({reason(e)})") from None
-    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
-        raise UserError(f"--model {path}: {type(model).__name__} is not supported (the sampler "
-                        f"needs a decoder at .model and an .lm_head, as Qwen2/3 and Llama have)")
-    if not tokenizer.chat_template:
-        raise UserError(f"--model {path}: the tokenizer has no chat template (a base model?); "
-                        f"prompts are chat-templated: use an instruct model or add a template")
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
 
 def load_run(cfg: Config, device, checkpoint: Path | None):
-    """Policy, tokenizer, reference (beta > 0), optimizer, schedule, and the checkpoint's state."""
-    state = load_state(checkpoint, cfg) if checkpoint else None
+    """Policy, tokenizer, reference (beta > 0), optimizer, schedule, and the checkpoint's state
+    (loaded with weights_only: a run folder from elsewhere runs no code)."""
+    state = None
+    if checkpoint:
+        try:
+            state = torch.load(checkpoint / "state.pt", weights_only=True)
+        except Exception as e:
+            raise UserError(f"--resume: {checkpoint / 'state.pt'} is not a checkpoint this file "
+                            f"wrote ({reason(e)})") from None
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(str(checkpoint) if checkpoint else cfg.model, device)
     ref_model = None
@@ -1213,10 +1193,6 @@ def load_run(cfg: Config, device, checkpoint: Path | None):
     return model, tokenizer, ref_model, optimizer, scheduler, state
 
 LOGS = ("metrics.jsonl", "completions.jsonl")  # appended to as the run goes
-# flags a resumed run may change: where it runs, how often it evaluates and saves, memory knobs;
-# not what it trains or evaluates on (its first and last evals must stay comparable)
-RESUMABLE = {"steps", "out", "resume", "overwrite", "device", "eval_every", "save_every",
-             "micro_batch_size", "gradient_checkpointing", "log_completions"}
 
 def run_files(out: Path) -> list[Path]:
     """What a run leaves in its folder: checkpoints (and a save that died), logs, summary."""
@@ -1227,12 +1203,9 @@ def prepare_out(cfg: Config) -> Path | None:
     """The checkpoint to continue from, or None to start. A folder holding a run is continued
     (--resume) or replaced (--overwrite), never reused; --resume without a checkpoint starts."""
     out = Path(cfg.out)
-    found = {}  # step -> its complete checkpoint (a save in progress is 'checkpoint-<step>.tmp')
-    for path in out.glob("checkpoint-*"):
-        if re.fullmatch("[0-9]+", path.name[len("checkpoint-"):]):
-            found[int(path.name[len("checkpoint-"):])] = path
-    if cfg.resume and found:
-        return found[max(found)]
+    saved = [path for path in out.glob("checkpoint-*") if path.suffix != ".tmp"]  # .tmp: unfinished
+    if cfg.resume and saved:
+        return max(saved, key=lambda path: int(path.name.split("-")[1]))
     names = sorted(path.name for path in run_files(out))
     if names and not (cfg.overwrite or cfg.resume):
         raise UserError(f"--out {out} already holds a run ({', '.join(names)}); continue it with "
@@ -1242,26 +1215,6 @@ def prepare_out(cfg: Config) -> Path | None:
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     return None
-
-def load_state(checkpoint: Path, cfg: Config) -> dict:
-    """A checkpoint's state.pt (weights_only: no code runs), if the flags keep the run's meaning."""
-    path = checkpoint / "state.pt"
-    try:
-        state = torch.load(path, weights_only=True)
-        saved = state["config"]
-    except Exception as e:
-        raise UserError(f"--resume: {path} is not a checkpoint this file wrote ({reason(e)})") \
-            from None
-    differ = [n for n in saved if n not in RESUMABLE and saved[n] != getattr(cfg, n, None)]
-    if differ:
-        change = ", ".join(f"--{n.replace('_', '-')} {saved[n]} -> {getattr(cfg, n, None)}"
-                           for n in differ)
-        raise UserError(f"--resume: {change} would change what the run in {checkpoint.parent} "
-                        f"means; keep its flags or start a new run in another --out")
-    if cfg.steps < state["step"]:
-        raise UserError(f"--resume: the run is at step {state['step']}; --steps {cfg.steps} must "
-                        f"be at least that")
-    return state
 
 def open_logs(out: Path, state: dict | None):
     """metrics.jsonl to append to. A fresh run first removes an old run's files (now that its own
@@ -1313,14 +1266,6 @@ def signals_caught():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-def finite(value):
-    """NaN and infinities -> None (null), inside dicts and lists too: the logs stay strict JSON."""
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [finite(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 # -----------------------------------------------------------------------------
 # Data parallel (torchrun): each rank samples whole groups for its share of the prompts, metrics

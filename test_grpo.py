@@ -42,6 +42,26 @@ def tiny():
     model, tokenizer = grpo.load_model(str(TINY), torch.device("cpu"))
     return model, tokenizer
 
+
+def make_rows(prompts, completion_ids, completion_mask, **fields):
+    """grpo.Rows by keyword, the one place the tests build them: unless `fields` say otherwise, every row
+    continues prompt 0 directly, its advantage is 0, and the rows are one loss part (limit: their width)."""
+    B, C = completion_ids.shape
+    fields.setdefault("prompt_index", torch.zeros(B, dtype=torch.long))
+    fields.setdefault("parent", torch.full((B,), -1))
+    fields.setdefault("advantages", torch.zeros(B))
+    fields.setdefault("max_lengths", [C])
+    return grpo.Rows(prompts=prompts, completion_ids=completion_ids, completion_mask=completion_mask, **fields)
+
+
+def text_rows(tok, prompts, texts, **fields):
+    """Rows of completion texts, each followed by EOS and right-padded with the pad token."""
+    ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    completion_ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids])
+    completion_mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+    return make_rows(prompts, completion_ids, completion_mask, **fields)
+
 # -----------------------------------------------------------------------------
 # Advantages
 
@@ -240,6 +260,7 @@ def test_score_batch_reports_who_wrote_the_tags(tiny):
     for reward, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
         rewards, parsed, tagged = grpo.score_batch(tok, samples, ["8"] * 4, reward=reward)
         assert rewards.tolist() == expected
+        assert parsed.tolist() == [True, reward == "last-number", True, False]  # the last: inside the thought
         assert tagged.tolist() == [True, False, True, False]
 
 
@@ -253,17 +274,21 @@ def test_score_negatives_fractions_and_unfinished():
     assert grpo.score(shaped, "2", True, format_reward=0.1) == (0.1, True)
     assert grpo.score(" <think>a\nb</think>\n\n<answer>2</answer>\n", "2", True, format_reward=0.1) == (1.1, True)
     assert grpo.score("<answer>1</answer>", "2", True, format_reward=0.1) == (0.0, True)
+    assert grpo.score(shaped, "1", False, format_reward=0.1) == (0.0, True)  # unfinished: no shape reward either
 
 
-@pytest.mark.parametrize("text", [
-    "<think>a</think><answer>1</answer><answer>2</answer>",           # two answer blocks
-    "<think>a</think><answer>1</answer><think>b</think><answer>2</answer>",
-    "<think>a<answer>1</answer></think><answer>2</answer>",           # an answer block inside the thought
-    "<think>a<think>b</think><answer>2</answer>",                     # a nested think tag
-    "<think>a</think>so<answer>2</answer>",                           # text between the blocks
+@pytest.mark.parametrize("text,reward", [
+    ("<think>a</think><answer>1</answer><answer>2</answer>", 1.0),           # two answer blocks (the last: 2)
+    ("<think>a</think><answer>1</answer><think>b</think><answer>2</answer>", 1.0),
+    ("<think>a<answer>1</answer></think><answer>2</answer>", 1.0),           # an answer block inside the thought
+    ("<think>a<think>b</think><answer>2</answer>", 1.0),                     # a nested think tag
+    ("<think>a</think>so<answer>2</answer>", 1.0),                           # text between the blocks
+    ("<think>a</think>so<answer>3</answer>", 0.0),
+    ("<think>a</think><answer>2</answer>", 1.1),                             # the shape: rewarded
 ])
-def test_format_reward_wants_exactly_one_think_then_one_answer(text):
-    assert grpo.score(text, "2", True, format_reward=0.1)[0] in (0.0, 1.0)  # correct or not, never shaped
+def test_format_reward_wants_exactly_one_think_then_one_answer(text, reward):
+    assert grpo.score(text, "2", True, format_reward=0.1)[0] == reward
+    assert grpo.score(text, "2", False, format_reward=0.1)[0] == 0.0  # unfinished: neither correct nor shaped
 
 
 def test_pass_at_k_matches_brute_force():
@@ -584,10 +609,9 @@ def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True), weight
     mask = torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]] * len(parents))
     advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
     parent = torch.tensor([-1, -1] + parents)
-    parts, part = [grpo.LossPart(2, 4), grpo.LossPart(2 * M, 4)], (parent >= 0).long()
-    if weighting == "tokens":
-        parts, part = [grpo.LossPart(2 * (1 + M), 4)], None
-    return grpo.Rows([prompt], torch.zeros(len(ids), dtype=torch.long), parent, ids, mask, advantages, parts, part)
+    part = (parent >= 0).long() if weighting == "parts" else None
+    max_lengths = [4, 4] if weighting == "parts" else [4]
+    return make_rows([prompt], ids, mask, parent=parent, advantages=advantages, max_lengths=max_lengths, part=part)
 
 
 def ma_loss(tiny, rows, M, **kw):
@@ -632,18 +656,15 @@ def test_ma_micro_batches_add_up_to_the_whole_batch(tiny, weighting, loss_type):
     assert split == pytest.approx(whole, rel=1e-5)
 
 
-def test_dr_grpo_divides_by_the_nominal_rows_whatever_was_made(tiny):
-    """Half the thoughts unclosed: their answers were never made, and dr_grpo's constant does not move."""
+def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
+    """As TRL: the rows made times the longest completion allowed. Half the thoughts unclosed: 2 thoughts of 3
+    tokens and 2 answers of 2, limits 4."""
     tok = tiny[1]
-    # 2 thoughts, 2 answers (of 2 + 4 nominal); tokens: nominal rows P*K*(1+M) = 6, times the longest limit 4:
-    # (2*3 + 2*2) / 24
     rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False), weighting="tokens")
-    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-10 / 24)
-    # parts: thoughts (2*3) / (P*K * 4) + answers (2*2) / (P*K*M * 4)
+    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-(2 * 3 + 2 * 2) / (4 * 4))
     rows = ma_rows(tok, 2, 1.0, 1.0, closed=(True, False), weighting="parts")
-    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-6 / 8 - 4 / 16)
-    assert torch.allclose(grpo.global_loss_weights(rows, "dr_grpo")[0],
-                          torch.cat([rows.completion_mask[:2] / (2 * 4), rows.completion_mask[2:] / (4 * 4)]))
+    assert ma_loss(tiny, rows, 2, loss_type="dr_grpo")[0] == pytest.approx(-(2 * 3) / (2 * 4) - (2 * 2) / (2 * 4))
+    assert torch.allclose(grpo.global_loss_weights(rows, "dr_grpo")[0], rows.completion_mask / (2 * 4))
 
 
 def test_global_loss_weights_refuse_rows_that_break_the_contract(tiny):
@@ -660,27 +681,25 @@ def test_global_loss_weights_refuse_rows_that_break_the_contract(tiny):
 
 
 def parts_of(rows):
-    """A rollout's loss parts as plain values: (row indices, nominal rows, length limit)."""
+    """A rollout's loss parts as plain values: (row indices, length limit)."""
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
-    return [((part == k).nonzero().squeeze(1).tolist(), nominal, limit)
-            for k, (nominal, limit) in enumerate(rows.loss_parts)]
+    return [((part == k).nonzero().squeeze(1).tolist(), limit) for k, limit in enumerate(rows.max_lengths)]
 
 
 def test_rollouts_set_their_loss_parts(tiny):
-    """Nominal rows are what a rollout set out to make: P*G, P*K (thoughts) and P*K*M (answers) or P*K*(1+M)
-    pooled, P*(N+1)*G however many rephrasings a question had."""
+    """One part limited by --max-new-tokens, or GRPO-MA's thoughts and answers with their own limits."""
     model, tok = tiny
     examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]  # P = 2; rollout_rows: G = 3, K = 3, M = 2
     rows = rollout_rows("grpo", model, tok, examples)
-    assert parts_of(rows) == [(list(range(6)), 6, 32)]
+    assert parts_of(rows) == [(list(range(6)), 32)]
     for weighting in ("parts", "tokens"):
         rows = rollout_rows("ma", model, tok, examples, ma_weighting=weighting)
         thoughts, answers = list(range(6)), list(range(6, len(rows)))
-        expected = [(thoughts, 6, 32), (answers, 12, 8)] if weighting == "parts" else [(thoughts + answers, 18, 32)]
+        expected = [(thoughts, 32), (answers, 8)] if weighting == "parts" else [(thoughts + answers, 32)]
         assert parts_of(rows) == expected, weighting
     few = [dict(ex, rephrasings=ex["rephrasings"][:1]) for ex in examples]  # 1 rephrasing of N = 2
     rows = rollout_rows("ta", model, tok, few)
-    assert len(rows) == 2 * 2 * 3 and parts_of(rows) == [(list(range(12)), 2 * 3 * 3, 32)]
+    assert len(rows) == 2 * 2 * 3 and parts_of(rows) == [(list(range(12)), 32)]
 
 
 def test_sampler_takes_prompts_of_one_token(tiny):
@@ -713,7 +732,148 @@ def test_sampler_is_seeded_and_masks_what_it_generated(tiny):
         assert tok.eos_token_id not in row[:n - 1].tolist()
 
 # -----------------------------------------------------------------------------
-# Data, config and bad input
+# Wiring: where the schemes, rollouts, update and eval meet. Each expected value comes from the test's own
+# computation (a formula, a slow reference or plain forward passes), not from the code path under test.
+
+
+def test_lambda_update_divides_each_token_term_by_lambda(tiny):
+    """One hand-made group at μ = 1 (ratio 1): update()'s loss is -Σ_i Σ_t A_i / |λ(i,t)| / (all tokens) with
+    |λ| counted by the test's trie; without λ weights (GRPO) it is -Σ_i Σ_t A_i / (all tokens). And
+    rollout_grpo gives its rows 1/|λ| for --variant lambda only."""
+    model, tok = tiny
+    prompt = grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    texts = ["<answer>12</answer>", "<answer>13</answer>", "<answer>1</answer>", "12"]
+    rows = text_rows(tok, [prompt], texts, advantages=advantages)
+    inv_lambda = trie_weights(rows.completion_ids, rows.completion_mask, 4)
+    assert (inv_lambda[rows.completion_mask.bool()] < 1).any()
+    tokens = rows.completion_mask.sum()
+    for weights in (inv_lambda, None):
+        rows.inv_lambda = weights
+        per_token = rows.completion_mask if weights is None else weights
+        expected = -(per_token * advantages[:, None]).sum() / tokens
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+        loss = grpo.update(model, None, sgd, rows, grpo.Config(variant="lambda"))["loss"]
+        assert loss == pytest.approx(expected.item(), abs=1e-6)
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]
+    lam = rollout_rows("lambda", model, tok, batch)
+    assert torch.equal(lam.inv_lambda, trie_weights(lam.completion_ids, lam.completion_mask, 3))
+    assert rollout_rows("grpo", model, tok, batch).inv_lambda is None
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_ta_advantages_pool_each_question_with_its_rephrasings(tiny, scale):
+    """A scripted policy answers some phrasings rightly and others wrongly, every sample alike: each phrasing's
+    own group is constant (no signal), the pooled (n+1)·G responses of a question are not. Question 0 has both
+    its rephrasings drawn, question 1 one of N = 2 (a ragged pool)."""
+    _, tok = tiny
+    written = {"1+2=": "3", "what is 1 plus 2?": "4", "add 1 to 2": "3", "2+2=": "5", "what is 2 plus 2?": "4"}
+    right = {"1+2=": 1.0, "what is 1 plus 2?": 0.0, "add 1 to 2": 1.0, "2+2=": 0.0, "what is 2 plus 2?": 1.0}
+    lm = scripted(tok, {q: f"<answer>{a}</answer>" for q, a in written.items()})
+    batch = [{"question": "1+2=", "answer": "3", "rephrasings": ["what is 1 plus 2?", "add 1 to 2"]},
+             {"question": "2+2=", "answer": "4", "rephrasings": ["what is 2 plus 2?"]}]
+    cfg = grpo.Config(variant="ta", num_generations=2, num_rephrasings=2, system_prompt="", scale_rewards=scale)
+    rows, _ = grpo.rollout_ta(lm, tok, cfg, batch, random.Random(0))
+    replay = random.Random(0)
+    expected = []
+    for ex in batch:
+        phrasings = [ex["question"]] + replay.sample(ex["rephrasings"], min(2, len(ex["rephrasings"])))
+        r = torch.tensor([right[q] for q in phrasings for _ in range(2)])
+        centred = r - r.mean()
+        expected.append(centred / (r.std() + 1e-4) if scale == "group" else centred)
+    assert torch.allclose(rows.advantages, torch.cat(expected)) and (rows.advantages != 0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_grpo_rows_carry_their_groups_normalised_rewards(tiny, scale):
+    model, tok = tiny
+    rows = rollout_rows("grpo", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:6], scale_rewards=scale)
+    r = rows.rewards.view(6, 3)
+    assert (r.amax(1) > r.amin(1)).any()  # some group has a signal
+    expected = r - r.mean(1, keepdim=True)
+    if scale == "group":
+        expected = expected / (r.std(1, keepdim=True) + 1e-4)
+    assert torch.allclose(rows.advantages, expected.flatten())
+
+
+def test_second_pass_of_a_reused_batch_takes_the_ratio_to_the_old_policy(tiny):
+    """μ = 2: the first pass has ratio 1; the second ρ = π_1 / π_old, π_1 being the policy after the first
+    optimizer step (which the same update at μ = 1 makes). From ρ, by the formulas, the test computes the
+    second pass's clip fractions and loss; update() reports means over the two passes."""
+    import copy
+    model, tok = tiny
+    rows = rollout_rows("grpo", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
+    rows.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    config = lambda mu: grpo.Config(num_iterations=mu, epsilon=0.1, max_grad_norm=1e9)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.5)
+    after_one = copy.deepcopy(model)
+    grpo.update(after_one, None, sgd(after_one), rows, config(1))
+    with torch.no_grad():
+        ratio = (grpo.flat_logps(after_one, rows, 1.0) - grpo.flat_logps(model, rows, 1.0)).exp()
+    on, A = rows.completion_mask.bool(), rows.advantages[:, None].expand(ratio.shape)
+    low = ((ratio < 0.9) & (A < 0))[on].float().mean().item()
+    high = ((ratio > 1.1) & (A > 0))[on].float().mean().item()
+    first = -A[on].mean().item()
+    second = -torch.min(ratio * A, ratio.clamp(0.9, 1.1) * A)[on].mean().item()
+    policy = copy.deepcopy(model)
+    metrics = grpo.update(policy, None, sgd(policy), rows, config(2))
+    assert low > 0 and high > 0, (low, high)
+    assert metrics["clip_low"] == pytest.approx(low / 2) and metrics["clip_high"] == pytest.approx(high / 2)
+    assert metrics["loss"] == pytest.approx((first + second) / 2, rel=1e-4)
+
+
+def test_kl_is_to_the_reference_model_at_the_sampling_temperature(tiny):
+    """β > 0, a reference that differs from the policy, T = 0.7, advantages 0: update()'s kl is the mean over
+    tokens of k3 between log softmax(logits / T) of the two models (plain forward passes in the test) and its
+    loss is β kl."""
+    import copy
+    model, tok = tiny
+    rows = rollout_rows("grpo", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    k3 = []
+    with torch.no_grad():
+        for i in range(len(rows)):
+            context, n = rows.context(i), int(rows.completion_mask[i].sum())
+            seq = torch.tensor([context + rows.completion_ids[i, :n].tolist()])
+            logps = [(m(seq).logits[0, len(context) - 1:-1] / 0.7).log_softmax(-1).gather(1, seq[0, len(context):, None])
+                     for m in (model, ref)]
+            delta = logps[1] - logps[0]
+            k3.append(delta.exp() - delta - 1)
+    kl = torch.cat(k3).mean().item()
+    cfg = grpo.Config(beta=0.1, temperature=0.7)
+    metrics = grpo.update(model, ref, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
+    assert kl > 0.01 and metrics["kl"] == pytest.approx(kl, rel=1e-4)
+    assert metrics["loss"] == pytest.approx(0.1 * kl, rel=1e-4)
+
+
+EVAL_TABLE = {  # question: (reference, greedy answer, the 3 samples' answers)
+    "1+1=": ("2", "<answer>2</answer>", ["<answer>2</answer>", "2", "<answer>5</answer>"]),             # 1 right
+    "2+1=": ("3", "<answer>4</answer>", ["<answer>3</answer>", "<answer>3</answer>", "<answer>3.0</answer>"]),
+    "3+1=": ("4", "<answer>4</answer>", ["4", "<answer>0</answer>", "<answer>x</answer>"]),            # none
+}
+
+
+def test_eval_counts_pass_at_k_and_format_per_question(tiny, monkeypatch):
+    """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here in chunks of 2
+    questions (max_rows 6). Correct samples per question 1, 3, 0 of n = 3: pass@1 (1/3 + 1 + 0) / 3; pass@2
+    (1 - C(2,2)/C(3,2) + 1 + 0) / 3 = 5/9; pass@3 2/3; greedy 2/3; tagged samples 2 + 3 + 2 of 9."""
+    model, tok = tiny
+
+    def table_sampler(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, greedy=False, **kwargs):
+        texts = []
+        for prompt in prompts:
+            question = next(q for q in EVAL_TABLE if q in tokenizer.decode(prompt))
+            texts += [EVAL_TABLE[question][1]] if greedy else EVAL_TABLE[question][2][:n]
+        rows = text_rows(tokenizer, [[0]], texts)
+        return grpo.Samples(rows.completion_ids, rows.completion_mask, torch.ones(len(texts), dtype=torch.bool))
+    monkeypatch.setattr(grpo, "generate", table_sampler)
+    examples = [{"question": q, "answer": a, "rephrasings": []} for q, (a, _, _) in EVAL_TABLE.items()]
+    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3), 0, max_rows=6)
+    assert result == pytest.approx({"greedy": 2 / 3, "format": 7 / 9, "pass@1": 4 / 9, "pass@2": 5 / 9,
+                                    "pass@3": 2 / 3})
 
 
 def write(tmp_path, name, text):
@@ -724,9 +884,10 @@ def write(tmp_path, name, text):
 
 @pytest.mark.parametrize("text,message", [
     ('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": \n', ":2: Expecting value"),
-    ('{"question": "1+1=", "answer": "2"}\n{"answer": "2"}\n', ":2: field 'question' is missing, empty or not valid text"),
-    ('{"question": "1+1=", "answer": " "}\n', ":1: field 'answer' is missing, empty or not valid text"),
-    ('{"question": "1+1=", "answer": "2", "rephrasings": ["x", ""]}\n', ":1: field 'rephrasings' must be"),
+    ('{"question": "1+1=", "answer": "2"}\n{"answer": "2"}\n', ":2: field 'question' must be a non-empty string"),
+    ('{"question": "1+1=", "answer": " "}\n', ":1: field 'answer' must be a non-empty string"),
+    ('{"question": "1+1=", "answer": 2}\n', ":1: field 'answer' must be a non-empty string"),
+    ('{"question": "1+1=", "answer": "2", "rephrasings": ["x", ""]}\n', ":1: field 'rephrasings' must be a list"),
     ('[1, 2]\n', ":1: expected a JSON object"),
     ('\n', ": no examples"),
 ])
@@ -740,18 +901,10 @@ def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
     (["--variant", "ppo"], "argument --variant: invalid choice: 'ppo'"),
     (["--num-gens", "4"], "unrecognized arguments: --num-gens 4"),
     (["--over"], "unrecognized arguments: --over"),  # no prefix matching: --over is not --overwrite
-    (["--num-generations", "1"], "--num-generations must be >= 2, got 1"),
-    (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
     (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: no such data file"),
     (["--resume", "--out", "/dev/null/run"], "--out /dev/null/run: cannot write there"),
-    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
-    (["--lr", "nan"], "--lr must be a finite number, got nan"),
-    (["--beta", "-1"], "--beta must be >= 0, got -1.0"),
-    (["--epsilon", "-0.1"], "--epsilon must be >= 0, got -0.1"),
-    (["--epsilon-high", "inf"], "--epsilon-high must be a finite number, got inf"),
-    (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
-    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "mps"], "is not available on this machine"),
 ])
 def test_bad_flags_stop_with_one_line(flags, message, tmp_path):
@@ -851,9 +1004,10 @@ def test_seeded_run_raises_held_out_accuracy(tmp_path):
 # -----------------------------------------------------------------------------
 # Never lose a run: checkpoints, SIGTERM, crashes, protected folders, checked resumes
 
+# warmup over 3 of 5 steps: a resume that restarted the schedule would not repeat the run
 SMALL = ["--prompts-per-step", "2", "--num-generations", "2", "--num-iterations", "2", "--eval-limit", "4",
          "--eval-samples", "2", "--max-new-tokens", "24", "--eval-every", "2", "--save-every", "2", "--lr", "1e-3",
-         "--warmup-steps", "0"]
+         "--warmup-steps", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -875,59 +1029,49 @@ def assert_same_run(out, reference):
         (reference / "summary.json").read_text())["before"]
 
 
-def fire_on_call(monkeypatch, owner, name, call, action):
-    """Wrap owner.name so that its `call`-th call (1-based) runs action() first."""
-    original, count = getattr(owner, name), {"n": 0}
+class Tap:
+    """A file that runs action() once its n-th line has been written."""
 
-    def wrapped(*args, **kwargs):
-        count["n"] += 1
-        if count["n"] == call:
-            action()
-        return original(*args, **kwargs)
-    monkeypatch.setattr(owner, name, wrapped)
+    def __init__(self, file, n, action):
+        self.file, self.n, self.action, self.lines = file, n, action, 0
+
+    def write(self, text):
+        written = self.file.write(text)
+        before, self.lines = self.lines, self.lines + text.count("\n")
+        if before < self.n <= self.lines:
+            self.action()
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
 
 
-# where the signal lands -> the step saved: the run stops once the step in progress is done and saved: before
-# step 3's update, between step 3's two optimizer steps, in step 2's eval, in the middle of writing checkpoint-2,
-# in the eval before step 1 (the first step is then trained and saved)
-@pytest.mark.parametrize("phase,call,saved,signum", [
-    ("update", 3, 3, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGTERM), ("evaluate", 2, 2, signal.SIGTERM),
-    ("torch.save", 1, 2, signal.SIGTERM), ("policy_loss", 6, 3, signal.SIGINT), ("evaluate", 1, 1, signal.SIGINT)])
-def test_sigterm_in_any_phase_saves_the_right_step_and_resumes_exactly(phase, call, saved, signum, uninterrupted,
-                                                                       tmp_path, monkeypatch):
+def on_metrics_line(monkeypatch, n, action):
+    """Run action() once grpo has written the n-th line of this launch's metrics.jsonl: what a user sees."""
+    def tapped_open(path, mode="r", *args, **kwargs):
+        file = open(path, mode, *args, **kwargs)
+        return Tap(file, n, action) if str(path).endswith("metrics.jsonl") and "a" in mode else file
+    monkeypatch.setattr(grpo, "open", tapped_open, raising=False)
+
+
+# SMALL's metrics lines: 1 eval 0, 2 step 1, 3 step 2, 4 eval 2, 5 step 3, 6 step 4, 7 eval 4, 8 step 5, 9 eval 5.
+# A signal stops the run once the step in progress, its eval and its save are done: after line 1 (the first
+# eval) step 1 is trained and saved; after step 2's line, its eval and periodic save come first; after the last
+# step the run finishes.
+@pytest.mark.parametrize("line,signum,saved", [(1, signal.SIGINT, 1), (2, signal.SIGTERM, 1), (3, signal.SIGTERM, 2),
+                                               (4, signal.SIGINT, 2), (6, signal.SIGTERM, 4), (8, signal.SIGTERM, None)])
+def test_a_signal_saves_the_step_in_progress_and_the_resume_repeats_the_run(line, signum, saved, uninterrupted,
+                                                                            tmp_path, monkeypatch):
     out = tmp_path / "run"
-    owner = torch if phase == "torch.save" else grpo
-    fire_on_call(monkeypatch, owner, phase.split(".")[-1], call, lambda: os.kill(os.getpid(), signum))
+    on_metrics_line(monkeypatch, line, lambda: os.kill(os.getpid(), signum))
     stop = run(*SMALL, "--out", str(out), "--steps", "5")
-    assert stop == f"grpo.py: {signum.name} after step {saved}: checkpoint saved in {out / f'checkpoint-{saved}'}; " \
-                   f"continue with --resume"
-    assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{saved}"]
     monkeypatch.undo()
-    grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
-    assert_same_run(out, uninterrupted)
-
-
-def test_sigterm_at_a_random_moment_in_a_real_process(uninterrupted, tmp_path):
-    """grpo.py in a subprocess gets SIGTERM at a random moment after its first eval; the resumed run ends with
-    the same weights as the uninterrupted one."""
-    import subprocess
-    import sys
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "grpo.py", *SMALL, "--out", str(out), "--steps", "5"], cwd=HERE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.02)
-    time.sleep(random.Random().uniform(0.0, 0.6))
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    stopped = re.search(r"SIGTERM after step (\d+)", stderr)
-    if proc.returncode == -signal.SIGTERM:  # it landed after training, once the handler was restored
-        assert (out / "checkpoint-5" / "state.pt").is_file(), stderr
+    if saved is None:
+        assert stop is None and [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-5"]
     else:
-        assert proc.returncode == (1 if stopped else 0), stderr
-    if stopped:  # it may have finished first on a fast machine; then there is nothing to resume
-        assert (out / f"checkpoint-{stopped.group(1)}" / "state.pt").is_file()
+        assert stop == f"grpo.py: {signum.name} after step {saved}: checkpoint saved in {out / f'checkpoint-{saved}'};" \
+                       f" continue with --resume"
+        assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{saved}"]
         grpo.main(SMALL + ["--out", str(out), "--steps", "5", "--resume"])
     assert_same_run(out, uninterrupted)
 
@@ -936,9 +1080,14 @@ def test_an_exception_in_a_step_leaves_the_last_checkpoint(uninterrupted, tmp_pa
     """A crash (say CUDA out of memory) mid-step saves nothing: the periodic checkpoint stands, and --resume
     from it repeats the uninterrupted run bit for bit."""
     out = tmp_path / "run"
-    def boom():
-        raise RuntimeError("out of memory (simulated)")
-    fire_on_call(monkeypatch, grpo, "policy_loss", 6, boom)  # step 3, after its first optimizer step
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def out_of_memory_on_sixth_call(*args, **kwargs):  # μ = 2: step 3, after its first optimizer step
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("out of memory (simulated)")
+        return clip(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", out_of_memory_on_sixth_call)
     with pytest.raises(RuntimeError, match="simulated"):
         grpo.main(SMALL + ["--out", str(out), "--steps", "5"])
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
@@ -965,27 +1114,19 @@ def test_a_save_that_dies_half_way_leaves_the_previous_checkpoint(uninterrupted,
     assert not list(out.glob("*.tmp"))
 
 
-def test_a_run_folder_is_protected_and_resumes_check_their_flags(tmp_path):
+def test_a_run_folder_is_protected_and_a_resume_takes_changed_flags(tmp_path, capsys):
+    """A run folder is never reused silently. A resume runs the command it is given: a changed --eval-samples
+    once ended the resumed run in a KeyError (its first eval has pass@1..2, its last pass@1..4)."""
     out = str(tmp_path / "run")
     grpo.main(SMALL + ["--out", out, "--steps", "3"])
     assert run(*SMALL, "--out", out, "--steps", "3") == (
         f"grpo.py: error: --out {out} already holds a run (checkpoint-3, metrics.jsonl, summary.json); "
         f"continue it with --resume or replace it with --overwrite")
-    for flags, message in [(["--lr", "1e-6"], "--lr 0.001 -> 1e-06 would change what the run"),
-                           (["--variant", "ma", "--beta", "0.1"], "--variant grpo -> ma, --beta 0.0 -> 0.1"),
-                           (["--steps", "2"], "the run is at step 3; --steps 2 must be at least that"),
-                           (["--eval-samples", "4"], "--eval-samples 2 -> 4"),  # before/after would differ
-                           (["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "--model " + str(TINY)),
-                           (["--model", str(TINY) + "/."], None)]:  # the same folder, written differently
-        stop = run(*SMALL, "--out", out, "--resume", *(flags if "--steps" in flags else flags + ["--steps", "4"]))
-        if message is None:
-            assert stop is None
-            continue
-        assert stop.startswith("grpo.py: error: --resume: ") and message in stop and "\n" not in stop, stop
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    summary = grpo.main(SMALL + ["--out", out, "--steps", "4", "--resume", "--eval-samples", "4"])
+    assert "pass@4" not in summary["before"] and "pass@4" in summary["after"]
+    assert "pass@1" in capsys.readouterr().out
     assert run(*SMALL, "--out", out, "--steps", "1", "--overwrite") is None
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
-    assert len(lines) > 3
 
 
 def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, uninterrupted, capsys):
@@ -1084,30 +1225,6 @@ def test_bad_files_stop_with_one_line(case, tmp_path):
         assert not Path(out).exists()
 
 
-def unusable_model(tmp_path, case):
-    """The tiny model saved without a chat template, or a GPT-2 (no .model decoder) with its tokenizer."""
-    import shutil
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-    folder = tmp_path / case.replace(" ", "-")
-    shutil.copytree(TINY, folder)
-    if case == "no chat template":
-        (folder / "chat_template.jinja").unlink()
-    else:
-        vocab_size = len(AutoTokenizer.from_pretrained(TINY))
-        GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=1, n_head=2)).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.mark.parametrize("case,expected", [
-    ("no chat template", "the tokenizer has no chat template (a base model?)"),
-    ("gpt2", "GPT2LMHeadModel is not supported (the sampler needs a decoder at .model and an .lm_head")])
-def test_an_unusable_model_stops_with_one_line_before_any_checkpoint(case, expected, tmp_path):
-    model, out = unusable_model(tmp_path, case), tmp_path / "out"
-    stop = run("--model", model, "--out", str(out), "--steps", "1")
-    assert stop == f"grpo.py: error: --model {model}: " + stop.split(": ", 3)[3] and expected in stop, stop
-    assert "\n" not in stop and not list(out.glob("checkpoint-*"))
-
-
 def test_local_paths_are_expanded_and_made_absolute(tmp_path, monkeypatch):
     """`--model=~/x` reaches us unexpanded; a relative path names the same files from any folder later."""
     (tmp_path / "models").mkdir()
@@ -1186,30 +1303,6 @@ def test_a_non_finite_gradient_is_never_applied(tmp_path, monkeypatch):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-@pytest.mark.parametrize("line,expected", [
-    ('{"question": "1+1=", "answer": ' + "9" * 5000 + "}", "field 'answer' is a number too long to score"),
-    ("[" * 100000 + "]" * 100000, "maximum recursion depth exceeded"),
-    ('{"question": "1+1=", "answer": NaN}', "field 'answer' is missing, empty or not valid text"),
-    ('{"question": "1+1=", "answer": 1e400}', "field 'answer' is a number too long to score"),
-    ('{"question": "a\\ud800b", "answer": "2"}', "field 'question' is missing, empty or not valid text"),
-    ('{"question": "1+1=", "answer": "2", "rephrasings": ["\\udfff"]}', "field 'rephrasings' must be a list"),
-])
-def test_hostile_data_lines_stop_with_file_and_line(line, expected, tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text('{"question": "1+1=", "answer": 2}\n' + line + "\n")
-    with pytest.raises(grpo.UserError) as e:
-        grpo.load_jsonl(path)
-    assert str(e.value).startswith(f"{path}:2: ") and expected in str(e.value), str(e.value)
-
-
-def test_numeric_answers_are_read_exactly(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text('{"question": "a", "answer": 1e20}\n{"question": "b", "answer": 0.50}\n'
-                    '{"question": "c", "answer": -7}\n')
-    assert [r["answer"] for r in grpo.load_jsonl(path)] == ["100000000000000000000", "0.50", "-7"]
-    assert grpo.score("<answer>100000000000000000000</answer>", "100000000000000000000", True) == (1.0, True)
-
-
 def test_ta_draws_rephrasings_from_a_stream_of_their_own(tmp_path, monkeypatch):
     """The rng handed to the rollout (TA's rephrasing draws) is not the data stream that drew the step's prompts."""
     seen = []
@@ -1239,16 +1332,14 @@ def test_score_never_raises_on_hostile_text():
     assert grpo.score("\\boxed{" * 3000 + "85", "85", True) == (0.0, False)  # unbalanced, deeply nested
 
 
-def test_metrics_are_strict_json_when_a_ta_batch_has_no_rephrasings(tmp_path):
+def test_a_ta_batch_without_rephrasings_runs(tmp_path):
     data = write(tmp_path, "ta.jsonl", "".join(json.dumps(r) + "\n" for r in [
         {"question": "12+34=", "answer": "46", "rephrasings": ["what is 12 plus 34?"]},
         {"question": "11+11=", "answer": "22"}, {"question": "10+13=", "answer": "23"}]))
     grpo.main(SMALL + ["--variant", "ta", "--data", data, "--prompts-per-step", "1", "--steps", "4",
                        "--out", str(tmp_path / "run")])
-    def reject(constant):
-        raise ValueError(f"not strict JSON: {constant}")
-    lines = [json.loads(l, parse_constant=reject) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(l.get("reward_rephrased", 0) is None for l in lines)  # a batch without rephrasings happened
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(math.isnan(l.get("reward_rephrased", 0)) for l in lines)  # a batch without rephrasings happened
 
 
 # -----------------------------------------------------------------------------
@@ -1462,19 +1553,23 @@ def test_ma_unanswered_thoughts_are_missing_not_zero():
 
 
 def test_ma_with_one_answer_is_grpo():
+    """M = 1: a thought's value is its one answer's reward, and both advantages are GRPO's over the K rewards.
+    Prompt 0: rewards [1, 0, 1, 1], mean 0.75, unbiased std 0.5; prompt 1: all 0 -> exactly 0."""
     r = torch.tensor([[1.0], [0], [1], [1], [0], [0], [0], [0]]).view(2, 4, 1)
-    thought, answer, _ = grpo.ma_advantages(r)
-    assert torch.equal(thought.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
-    assert torch.equal(answer.reshape(-1), grpo.group_advantages(r.reshape(-1), 4))
+    thought, answer, values = grpo.ma_advantages(r)
+    expected = torch.tensor([[0.25, -0.75, 0.25, 0.25], [0, 0, 0, 0]]) / torch.tensor([[0.5001], [1.0]])
+    assert torch.allclose(thought, expected) and torch.allclose(answer[..., 0], expected)
+    assert torch.equal(values, r[..., 0]) and torch.equal(thought[1], torch.zeros(4))
 
 
 def unpad(ids, mask):
     return ids[mask.bool()].tolist()
 
 
-def test_ma_rows_carry_thought_and_answer_advantages(tiny):
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_ma_rows_carry_thought_and_answer_advantages(tiny, scale):
     model, tok = tiny
-    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=18)
+    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=18, scale_rewards=scale)
     batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
     torch.manual_seed(0)
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
@@ -1496,7 +1591,7 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny):
                           skip_special_tokens=True)
         finished = rows.completion_ids[row][int(rows.completion_mask[row].sum()) - 1] == tok.eos_token_id
         rewards[k, a % M] = grpo.score(text, batch[k // K]["answer"], bool(finished))[0]
-    thought_adv, answer_adv, _ = grpo.ma_advantages(rewards.view(P, K, M))
+    thought_adv, answer_adv, _ = grpo.ma_advantages(rewards.view(P, K, M), scale)
     assert torch.allclose(rows.advantages[:P * K], thought_adv.reshape(-1))
     assert torch.allclose(rows.advantages[P * K:], answer_adv.reshape(-1, M)[closed].reshape(-1))
 
@@ -1554,7 +1649,7 @@ def test_ta_contexts_are_anchored(tiny, anchor):
     for i, question in enumerate(expected):
         assert rows.context(i) == grpo.prompt_ids(tok, question, cfg.system_prompt)
     assert len(rows.prompts) == (3 if anchor == "original" else 8)  # each context once
-    assert {"frac_reward_zero_std", "frac_reward_zero_std_pooled", "reward_original", "reward_rephrased"} <= set(metrics)
+    assert {"frac_reward_zero_std", "frac_reward_zero_std_q0", "reward_q0", "reward_rephrased"} <= set(metrics)
     assert not rows.advantages.isnan().any()
 
 
@@ -1598,8 +1693,7 @@ def test_bench_lambda_weights_cost(request, tiny):
     ids = torch.where(torch.arange(T)[None] < fork[:, None], base, torch.randint(4, 60, (B, T), generator=g))
     mask = torch.ones(B, T, dtype=torch.long)
     prompts = [grpo.prompt_ids(tok, "12+34=", grpo.SYSTEM_PROMPT)]
-    rows = grpo.Rows(prompts, torch.zeros(B, dtype=torch.long), torch.full((B,), -1), ids, mask, torch.randn(B),
-                     loss_parts=[grpo.LossPart(B, T)])
+    rows = make_rows(prompts, ids, mask, advantages=torch.randn(B))
     cfg = grpo.Config(max_new_tokens=T)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     lam, step = [], []
@@ -1644,15 +1738,6 @@ def test_eos_stays_in_the_mask_when_pad_is_eos(pad_is_eos_model):
         n = int(m.sum())
         assert row[:n].tolist().count(tok.eos_token_id) == int(f) and (row[n - 1] == tok.eos_token_id) == bool(f)
 
-
-@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
-def test_every_variant_runs_a_step_on_both_families(pad_is_eos_model, variant, tmp_path):
-    summary = grpo.main(["--model", str(pad_is_eos_model), "--variant", variant, "--steps", "1", "--out",
-                         str(tmp_path), "--prompts-per-step", "2", "--num-generations", "2", "--num-thoughts", "2",
-                         "--num-answers", "2", "--num-rephrasings", "1", "--max-new-tokens", "8",
-                         "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1"])
-    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
-    assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
 
 # -----------------------------------------------------------------------------
 # The real Qwen tokenizer (data/qwen-tokenizer): Qwen2.5's BPE, where the tags split into pieces, and Qwen3's,
@@ -1748,7 +1833,7 @@ def test_ma_closes_bpe_thoughts_and_scores_their_answers(qwen25_scripted):
     batch = [{"question": "1+2=", "answer": "3"}, {"question": "4+4=", "answer": "8"}]
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
     metrics = grpo.global_means(metrics)
-    assert metrics["unclosed_thoughts"] == 0 and metrics["answer_reward"] == 1.5  # right and well formed
+    assert metrics["unclosed_thoughts"] == 0 and metrics["reward"] == 1.5  # right and well formed
     assert len(rows) == 2 * 2 + 2 * 2 * 3 and (rows.parent[4:] == torch.arange(4).repeat_interleave(3)).all()
 
 
@@ -1788,16 +1873,6 @@ def test_real_ta_rows_are_anchored_on_q0(qwen):
     for i in range(len(rows)):
         q0 = batch[i // 6]["question"]
         assert rows.context(i) == grpo.prompt_ids(tok, q0, cfg.system_prompt)
-
-
-@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
-def test_every_variant_runs_a_step_on_the_real_tokenizers(qwen, variant, tmp_path):
-    summary = grpo.main(["--model", str(qwen), "--variant", variant, "--steps", "1", "--out", str(tmp_path),
-                         "--prompts-per-step", "2", "--num-generations", "2", "--num-thoughts", "2",
-                         "--num-answers", "2", "--num-rephrasings", "1", "--max-new-tokens", "6",
-                         "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1"])
-    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
-    assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
 
 
 def knobbed(folder, tmp_path):
@@ -1898,16 +1973,6 @@ def hf_logps(model, rows, temperature):
     return out
 
 
-def hand_rows(tok, prompts, pieces, parent, prompt_index):
-    """Rows from completion texts (each followed by <|im_end|>), right-padded."""
-    ids = [tok(p, add_special_tokens=False).input_ids + [IM_END] for p in pieces]
-    width = max(map(len, ids))
-    completion_ids = torch.tensor([i + [IM_END] * (width - len(i)) for i in ids])
-    completion_mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
-    return grpo.Rows(prompts, torch.tensor(prompt_index), torch.tensor(parent), completion_ids, completion_mask,
-                     torch.zeros(len(ids)))
-
-
 @torch.no_grad()
 def test_real_model_logps_equal_hf_forward_on_three_levels_and_on_a_grpo_batch(smol):
     model, tok = smol
@@ -1917,11 +1982,11 @@ def test_real_model_logps_equal_hf_forward_on_three_levels_and_on_a_grpo_batch(s
     answers = ["<answer>8</answer>", "<answer> eight </answer>", "<answer>8</answer>", "no",
                "<answer>19</answer>", "<answer>1,9</answer>", "<answer>19</answer>", "<answer>20</answer>"]
     parent = [-1] * 4 + [0, 0, 1, 1, 2, 2, 3, 3]
-    ma = hand_rows(tok, prompts, thoughts + answers, parent, [0, 0, 1, 1] + [0] * 4 + [1] * 4)
+    ma = text_rows(tok, prompts, thoughts + answers, parent=torch.tensor(parent),
+                   prompt_index=torch.tensor([0, 0, 1, 1] + [0] * 4 + [1] * 4))
     torch.manual_seed(0)
     s = grpo.generate(model, tok, prompts, 3, 12)
-    plain = grpo.Rows(prompts, torch.arange(2).repeat_interleave(3), torch.full((6,), -1), s.completion_ids,
-                      s.completion_mask, torch.zeros(6))
+    plain = make_rows(prompts, s.completion_ids, s.completion_mask, prompt_index=torch.arange(2).repeat_interleave(3))
     for rows in (ma, plain):
         reference = hf_logps(model, rows, 0.7)
         for logps_of in (grpo.rows_logps, grpo.flat_logps):
@@ -1930,21 +1995,23 @@ def test_real_model_logps_equal_hf_forward_on_three_levels_and_on_a_grpo_batch(s
             assert (logps[rows.completion_mask == 0] == 0).all()
 
 
-SMOL_SMALL = ["--system-prompt", "", "--reward", "last-number", "--steps", "1", "--prompts-per-step", "2",
-              "--num-generations", "2", "--num-thoughts", "2", "--num-answers", "2", "--num-rephrasings", "1",
-              "--max-new-tokens", "8", "--max-answer-tokens", "4", "--eval-limit", "2", "--eval-samples", "1",
-              "--lr", "1e-5", "--warmup-steps", "0"]
-
-
-@pytest.mark.parametrize("variant", ["lambda", "ma", "ta"])
-def test_every_variant_runs_a_step_on_the_real_model(smollm2, variant, tmp_path):
-    """(grpo: see the learning test.) SmolLM2 never writes </think>, so ma meets the case of no closed thought;
-    8 new tokens cut every completion, so the step has no signal: this checks the mechanics only."""
+def test_grpo_ma_trains_the_real_model_after_a_response_prefix(smollm2, tmp_path):
+    """GRPO-MA on SmolLM2 with the reply prefilled with <think> (--response-prefix): thoughts close (without
+    the prefix SmolLM2 never writes </think>), the thoughts of a prompt get different values (so the thought
+    rows have non-zero advantages: a gradient), and the answers' reward rises against the first step."""
     sums = smollm2 / "sums"
-    summary = grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
-                         str(sums / "test.jsonl"), "--variant", variant, "--out", str(tmp_path), *SMOL_SMALL])
-    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
-    assert summary["steps"] == 1 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+    grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
+               str(sums / "test.jsonl"), "--variant", "ma", "--response-prefix", "<think>", "--reward", "last-number",
+               "--prompts-per-step", "4", "--num-thoughts", "4", "--num-answers", "2", "--max-new-tokens", "32",
+               "--max-answer-tokens", "16", "--temperature", "0.7", "--lr", "3e-5", "--warmup-steps", "0",
+               "--steps", "6", "--eval-limit", "1", "--eval-samples", "1", "--out", str(tmp_path)])
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert all(r["unclosed_thoughts"] < 0.5 for r in steps), [r["unclosed_thoughts"] for r in steps]
+    assert all(r["frac_value_zero_std"] < 1 and r["grad_norm"] > 0 for r in steps[2:])
+    rewards = [r["reward"] for r in steps]  # the answers'
+    assert (rewards[-1] + rewards[-2]) / 2 >= rewards[0] + 0.1, rewards
+
 
 def test_grpo_trains_the_real_model(smollm2, tmp_path):
     """Four steps of GRPO (P = 4 x G = 8, 24 new tokens, lr 5e-5, last-number reward) on single-digit sums:
@@ -1979,28 +2046,12 @@ def ddp_case(loss_type):
     torch.manual_seed(0)
     s = grpo.generate(model, tok, prompts, 4, 32)
     advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
-    rows = grpo.Rows(prompts, torch.arange(8).repeat_interleave(4), torch.full((32,), -1), s.completion_ids,
-                     s.completion_mask, advantages)
+    rows = make_rows(prompts, s.completion_ids, s.completion_mask, prompt_index=torch.arange(8).repeat_interleave(4),
+                     advantages=advantages, max_lengths=[32])
     cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1,
                       num_generations=4)
     # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
     return model, ref, rows, cfg, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-def ddp_worker(rank, world, port, out):
-    import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    for loss_type in DDP_LOSS_TYPES:
-        model, ref, rows, cfg, opt = ddp_case(loss_type)
-        share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
-        share.loss_parts = [grpo.LossPart(len(share), 32)]  # 32 in all
-        metrics = grpo.update(model, ref, opt, share, cfg)
-        if rank == 0:
-            torch.save((model.state_dict(), metrics), f"{out}/{loss_type}.pt")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads sometimes abort the process
 
 
 # Scripted answers per question (the tiny tokenizer), so that samples do not depend on the random stream: rank 0
@@ -2030,53 +2081,59 @@ def rollout_and_eval_metrics(rank, world):
     return out
 
 
-def ddp_metrics_worker(rank, world, port, out):
+def ddp_worker(rank, world, port, out):
+    """One rank: its share of the rollouts, the eval, the update of every loss type, and a data file of one
+    example; rank 0 saves what it saw."""
     import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    result = rollout_and_eval_metrics(rank, world)
+    result = {"metrics": rollout_and_eval_metrics(rank, world)}
+    for loss_type in DDP_LOSS_TYPES:
+        model, ref, rows, cfg, opt = ddp_case(loss_type)
+        share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
+        result[loss_type] = model.state_dict(), grpo.update(model, ref, opt, share, cfg)
+    try:
+        grpo.load_data(grpo.Config(data=f"{out}/one.jsonl"))
+    except grpo.UserError as e:
+        result["one example"] = str(e)
     if rank == 0:
-        torch.save(result, f"{out}/metrics.pt")
+        torch.save(result, f"{out}/result.pt")
     torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
     os._exit(0)  # skip interpreter teardown, where gloo's threads sometimes abort the process
 
 
-def test_two_gloo_processes_log_the_metrics_and_eval_of_one(tmp_path):
-    """Every logged number is that of one process on the whole batch: means over rows that ranks hold in
-    different numbers (MA's answers: rank 1 has none; TA's phrasings) and the eval, split by chunks."""
+def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path):
+    """Two ranks, each with half of the batch, against one process with all of it: the update (every loss type;
+    μ = 2, β > 0, micro-batches), the logged means over rows that ranks hold in different numbers (MA's answers:
+    rank 1 has none; TA's phrasings), the eval split by chunks; fewer examples than ranks stops with one line."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(ddp_metrics_worker, args=(2, port, str(tmp_path)), nprocs=2)
-    two, one = torch.load(tmp_path / "metrics.pt"), rollout_and_eval_metrics(0, 1)
-    assert one["ma"]["answer_reward"] == 0.5 and 0 < one["ma"]["unclosed_thoughts"] < 1  # the case is uneven
-    assert one["ta"]["reward_rephrased"] == pytest.approx(2 / 3)
-    for part in ("ma", "ta", "eval"):
-        assert two[part].keys() == one[part].keys()
-        for key, value in one[part].items():
-            assert two[part][key] == pytest.approx(value, abs=1e-12, nan_ok=True), (part, key)
-
-
-def test_two_gloo_processes_update_like_one(tmp_path):
-    import socket
+    (tmp_path / "one.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(ddp_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    two = torch.load(tmp_path / "result.pt")
+    assert two["one example"] == f"{tmp_path / 'one.jsonl'}: 1 examples, fewer than the 2 ranks"
+    one = rollout_and_eval_metrics(0, 1)
+    assert one["ma"]["reward"] == 0.5 and 0 < one["ma"]["unclosed_thoughts"] < 1  # the case is uneven
+    assert one["ta"]["reward_rephrased"] == pytest.approx(2 / 3)
+    for part in ("ma", "ta", "eval"):
+        assert two["metrics"][part].keys() == one[part].keys()
+        for key, value in one[part].items():
+            assert two["metrics"][part][key] == pytest.approx(value, abs=1e-12, nan_ok=True), (part, key)
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        rows.loss_parts = [grpo.LossPart(len(rows), 32)]
         metrics = grpo.update(model, ref, opt, rows, cfg)
-        ddp_state, ddp_metrics = torch.load(tmp_path / f"{loss_type}.pt")
+        ddp_state, ddp_metrics = two[loss_type]
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
         for k, v in model.state_dict().items():
             # the parameter updates agree to float32 summation-order noise
             assert torch.allclose(ddp_state[k] - start[k], v - start[k], rtol=1e-3, atol=1e-7), (loss_type, k)
         assert ddp_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-7)
         assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
+
 
 TORCHRUN_WORKER = """
 import os, sys, time
@@ -2096,7 +2153,7 @@ def test_torchrun_ranks_stopped_by_sigterm_wait_for_rank_0s_save(tmp_path):
     """Both ranks of a 2-process torchrun (gloo) get SIGTERM, as a scheduler sends it to every process. The
     step in progress is saved: no rank exits before rank 0's save is complete. (Were rank 1 to exit at once,
     torchrun would stop rank 0 in the middle of the save, its handler back to the default after the first
-    signal.) Fewer examples than ranks stops with one line."""
+    signal.)"""
     import subprocess
     import sys
     out = tmp_path / "run"
@@ -2118,10 +2175,6 @@ def test_torchrun_ranks_stopped_by_sigterm_wait_for_rank_0s_save(tmp_path):
     step = int(stopped.group(1))
     assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"], output
     assert (out / f"checkpoint-{step}" / "state.pt").is_file()
-    one = tmp_path / "one.jsonl"
-    one.write_text('{"question": "1+1=", "answer": "2"}\n')
-    few = subprocess.run(command + ["--data", str(one), "--out", str(tmp_path / "few")], capture_output=True, text=True)
-    assert f"grpo.py: error: {one}: 1 examples, fewer than the 2 ranks" in few.stderr, few.stderr
 
 # -----------------------------------------------------------------------------
 # Benchmarks (GRPO_BENCH=1 python -m pytest -q -s): they print figures and assert nothing about speed.
@@ -2137,8 +2190,8 @@ model = Qwen2ForCausalLM(config).requires_grad_(grad)
 B, P, C = 16, 256, 256  # T = 512: a 256-token prompt and a 256-token completion
 ids = torch.randint(0, config.vocab_size, (B, P + C))
 mask = torch.ones_like(ids)
-rows = grpo.Rows([row[:P].tolist() for row in ids], torch.arange(B), torch.full((B,), -1), ids[:, P:],
-                 torch.ones(B, C, dtype=torch.long), torch.zeros(B))
+rows = grpo.Rows(prompts=[row[:P].tolist() for row in ids], prompt_index=torch.arange(B), parent=torch.full((B,), -1),
+                 completion_ids=ids[:, P:], completion_mask=torch.ones(B, C, dtype=torch.long), advantages=torch.zeros(B))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.set_grad_enabled(grad):
     if method == "ours":
@@ -2360,7 +2413,7 @@ def test_bench_compare_ma(request, tmp_path, model, weighting):
     cells = {"T16A1 (GRPO, G=16)": base + ["--num-generations", "16"]} if weighting == "tokens" else {}
     cells[f"T4A4 {weighting}"] = base + ma + ["--num-thoughts", "4", "--num-answers", "4"]
     cells[f"T8A2 {weighting}"] = base + ma + ["--num-thoughts", "8", "--num-answers", "2"]
-    compare(f"GRPO-MA, model {model}", cells, tmp_path, extra=["frac_reward_zero_std", "time/step"])
+    compare(f"GRPO-MA, model {model}", cells, tmp_path, extra=["frac_value_zero_std", "time/step"])
 
 
 @bench
@@ -2378,7 +2431,7 @@ def test_bench_compare_ta(request, tmp_path, model, lr):
         "GRPO, G=8": base + ["--num-generations", "8"],
         "TA, anchor q0 (paper v5)": base + ta,
         "TA, anchor rephrasing (code)": base + ta + ["--ta-anchor", "rephrased"]}, tmp_path,
-        ks=(2, 4, 8, 16) if hard else (2, 8), extra=["frac_reward_zero_std"])
+        ks=(2, 4, 8, 16) if hard else (2, 8), extra=["frac_reward_zero_std_q0", "frac_reward_zero_std"])
 
 
 @bench
