@@ -332,7 +332,7 @@ class ScriptedLM(torch.nn.Module):
             super().__init__()
             self.lm = [lm]
 
-        def forward(self, input_ids, attention_mask, position_ids, use_cache, cache=None):
+        def forward(self, input_ids, attention_mask, cache=None, **kwargs):  # positions come from the mask
             seen = cache.layers[0].keys[:, 0, :, 0].long() if cache.layers else input_ids[:, :0]
             full = torch.cat([seen, input_ids], 1)  # (B, L + T) every id, padding included
             T, hidden = input_ids.shape[1], torch.zeros(*input_ids.shape, 1)
@@ -1568,13 +1568,16 @@ def unpad(ids, mask):
 
 @pytest.mark.parametrize("scale", ["group", "none"])
 def test_ma_rows_carry_thought_and_answer_advantages(tiny, scale):
+    """19 tokens close about half of the thoughts; the rows' advantages against ma_advantages of the rewards the
+    test reads from the rows' own text."""
     model, tok = tiny
-    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=18, scale_rewards=scale)
-    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
+    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, max_new_tokens=19, scale_rewards=scale)
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:6]
     torch.manual_seed(0)
     rows, metrics = grpo.rollout_ma(model, tok, cfg, batch, random.Random(0))
     metrics = grpo.global_means(metrics)
-    P, K, M = 3, 3, 2
+    P, K, M = 6, 3, 2
+    assert (rows.advantages != 0).any()
     prompts = [grpo.prompt_ids(tok, row["question"], cfg.system_prompt) for row in batch]
     thoughts = [unpad(rows.completion_ids[k], rows.completion_mask[k]) for k in range(P * K)]
     for k in range(P * K):  # thought rows: context = the prompt
@@ -2037,21 +2040,25 @@ def test_grpo_trains_the_real_model(smollm2, tmp_path):
 DDP_LOSS_TYPES = ["dapo", "grpo", "dr_grpo"]
 
 
-def ddp_case(loss_type):
-    """The same model, reference and rows in every process: 8 prompts x 4 sampled completions."""
-    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
-    ref = grpo.load_model(str(TINY), torch.device("cpu"))[0].eval()
-    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:8]
-    prompts = [grpo.prompt_ids(tok, row["question"], grpo.SYSTEM_PROMPT) for row in train]
-    torch.manual_seed(0)
-    s = grpo.generate(model, tok, prompts, 4, 32)
-    advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
-    rows = make_rows(prompts, s.completion_ids, s.completion_mask, prompt_index=torch.arange(8).repeat_interleave(4),
-                     advantages=advantages, max_lengths=[32])
+def ddp_case(loss_type, cache={}):
+    """The same model, reference and rows in every process: 8 prompts x 4 sampled completions (made once per
+    process; each loss type gets a fresh copy of the model)."""
+    import copy
+    if not cache:
+        model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+        train = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:8]
+        prompts = [grpo.prompt_ids(tok, row["question"], grpo.SYSTEM_PROMPT) for row in train]
+        torch.manual_seed(0)
+        s = grpo.generate(model, tok, prompts, 4, 32)
+        advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
+        cache["rows"] = make_rows(prompts, s.completion_ids, s.completion_mask, max_lengths=[32],
+                                  prompt_index=torch.arange(8).repeat_interleave(4), advantages=advantages)
+        cache["model"] = model
+    model, ref = copy.deepcopy(cache["model"]), copy.deepcopy(cache["model"]).eval()
     cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1,
                       num_generations=4)
     # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
-    return model, ref, rows, cfg, torch.optim.SGD(model.parameters(), lr=0.05)
+    return model, ref, cache["rows"], cfg, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
 # Scripted answers per question (the tiny tokenizer), so that samples do not depend on the random stream: rank 0
