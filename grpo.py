@@ -129,7 +129,8 @@ def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
 def lambda_weights(completion_ids, completion_mask, group_size: int):
     """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask. Rows form groups of group_size
     right-padded completions; |λ(i,t)| counts the completions of i's group (i itself and exact
-    duplicates included) whose first t+1 tokens are i's, so a shared prefix is trained once:
+    duplicates included) whose first t+1 tokens are i's, so a shared prefix is trained once. One
+    group of group_size = 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -186,9 +187,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
     At μ = 1, old = logp.detach(): ρ = 1, whose gradient is ∇ logp. The two terms of the min then
     tie; torch gives each half the gradient and the clip passes it inside its range, so the
-    gradient is -A ∇ logp: the policy gradient. With dapo or grpo weights (they sum to 1) the loss
-    is a mean. λ-GRPO: w = aggregation_weights(mask) * lambda_weights(ids, mask, G). ε_high = ε
-    when None, as TRL. The metrics are 0-dim tensors: no device sync, no graph break.
+    gradient is -A ∇ logp: the policy gradient. Weights: with aggregation_weights' dapo or grpo
+    weights (they sum to 1) the loss is a mean; λ-GRPO multiplies them by lambda_weights(ids,
+    mask, G). ε_high = ε when None, as TRL. The metrics are 0-dim tensors: no device sync.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -227,8 +228,8 @@ def after_thought(text: str):
 
 def extract_answer(text: str, reward: str = "tags"):
     """The answer after the thought, or None: the last <answer>...</answer>, else the last
-    \\boxed{...}; with reward="last-number", the last number (as GSM8K graders read it), unless
-    it is part of an expression."""
+    \\boxed{...}; with reward="last-number", the last number (GSM8K's convention), unless it is
+    part of an expression. (The number reader, parse_number and its helpers, follows score.)"""
     text = after_thought(text)
     if text is None:
         return None
@@ -266,9 +267,9 @@ def as_text(answer: str) -> str:
     return re.sub(r"\s", "", boxed(answer) or answer)
 
 def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
-    """(rewards, parsed, tagged), each (B,), of the Samples from generate (section 3). Each text
-    is read after `before` (one string, or one per row): the response prefix, and for a GRPO-MA
-    answer its thought too. tagged: the text wrote <answer> tags after the thought."""
+    """(rewards, parsed, tagged), each (B,), of the Samples from generate (section 3, as decode).
+    Each text is read after `before` (one string, or one per row): the response prefix, and for a
+    GRPO-MA answer its thought too. tagged: the text wrote <answer> tags after the thought."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     before = [before] * len(texts) if isinstance(before, str) else before
     texts = [b + text for b, text in zip(before, texts)]
@@ -338,7 +339,9 @@ def number_runs(text: str) -> list:
 
 # -----------------------------------------------------------------------------
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
-# A first read needs only generate(): n samples per prompt, returned as Samples.
+# A first read needs only generate(): n samples per prompt, returned as Samples. It (and the
+# log-probs of section 5) assume HF's decoder layout, model.model then model.lm_head (Qwen2/3,
+# Llama), and transformers 5.24 or newer (its cache= argument).
 
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
     """A question (after the system prompt) chat-templated into token ids, generation prompt on,
@@ -412,6 +415,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
       completes a stop string; ended rows leave the batch.
     - Only the temperature shapes the draw: no top-k, no top-p, nothing of the generation config.
     - Eval mode: no dropout, and HF's gradient checkpointing would drop the cache.
+    - Non-finite logits (a diverged policy) stop the run with one line (UserError, section 7).
     """
     was_training = model.training
     model.eval()
@@ -505,7 +509,8 @@ class Config:
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
     max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: str = _opt("parts", "(ma) parts: thoughts, answers apart", ["parts", "tokens"])
+    ma_weighting: str = _opt("parts", "(ma) parts: a mean over the thoughts plus one over the "
+                             "answers; tokens: one mean over both", ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
     ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
                           "rephrasing (public code)", ["original", "rephrased"])
@@ -513,7 +518,7 @@ class Config:
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
     scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
     beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
-    epsilon: float = _opt(0.2, "lower clip range of the ratio")
+    epsilon: float = _opt(0.2, "clip range of the ratio (the upper too, unless --epsilon-high)")
     epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
     reward: str = _opt("tags", "the answer is in <answer> tags (or \\boxed), or the last number",
@@ -549,7 +554,7 @@ class Rows:
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one (MA's thought)
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
-    advantages: torch.Tensor       # (B,), or (B, C) per token; finite where the mask is 1
+    advantages: torch.Tensor       # (B,), or (B, C) per token (no rollout here needs it); finite
     max_lengths: list = field(default_factory=list)  # each loss part's length limit (dr_grpo's)
     part: torch.Tensor | None = None  # (B,) each row's loss part (None: all in part 0)
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
@@ -595,34 +600,6 @@ class Rows:
         picked["prompt_index"] = new_prompt[picked["prompt_index"]]
         picked["prompts"] = [self.prompts[p] for p in used.tolist()]
         return Rows(**picked)
-
-def global_loss_weights(rows: Rows, loss_type: str):
-    """What update() first does with the rows: (weights, tokens), each token's w in J over the
-    global batch (all ranks), (B, C), and that batch's token count.
-
-    - Each loss part (rows.part: one, or GRPO-MA's thoughts and answers) is aggregated on its own
-      (aggregation_weights with the part's global counts and length limit), so under dapo and
-      grpo each part's weights sum to 1 and J is a sum of one mean per part.
-    - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
-      1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens get
-      Lt / (Lt + M La) of J, answers of La the rest.
-    - λ-GRPO's 1/|λ| multiplies the weights (policy and KL terms), not the normaliser.
-    """
-    assert rows.max_lengths, "the rollout sets each loss part's max_lengths"
-    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
-    parents = rows.parent[rows.parent >= 0]
-    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
-    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
-    weights, tokens = torch.zeros(rows.completion_mask.shape), 0
-    for k, max_len in enumerate(rows.max_lengths):
-        in_part = part == k
-        mask = rows.completion_mask[in_part]
-        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # (section 7: over ranks)
-        weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
-        tokens += n_tokens
-    if rows.inv_lambda is not None:
-        weights = weights * rows.inv_lambda
-    return weights, tokens
 
 # To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
 # rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
@@ -720,11 +697,12 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """TA-GRPO (ta_advantages): each question q0 with up to N of its rephrasings (drawn afresh each
+    """TA-GRPO (ta_advantages): each question q0 with n <= N of its rephrasings (drawn afresh each
     step), G responses to each, advantages normalised over the question's (n+1)·G responses.
     --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the ratio is 1
-    either way, but the gradient is ∇ log π(o | q0); `rephrased` keeps the prompt that produced
-    the response (the public code). Rows for P = 1, N = 2, G = 2, one rephrasing drawn:
+    either way, but the gradient is ∇ log π(o | q0) (at μ > 1, π_old(o | q0) too: a ratio of the
+    anchored policy, not an importance weight of the sampling one); `rephrased` keeps the prompt
+    that produced the response (the public code). Rows for P = 1, N = 2, G = 2, one drawn:
 
         row  phrasing  prompt_index (original / rephrased)  its (p, j, g) in rewards
         0    q0        0 / 0                                 [0, 0, 0]
@@ -818,12 +796,45 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     batches.append(current)
     return [rows.select(torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
 
+def global_loss_weights(rows: Rows, loss_type: str):
+    """What update() first does with the rows: (weights, tokens), each token's w in J over the
+    global batch (all ranks), (B, C), and that batch's token count.
+
+    - Each loss part (rows.part: one, or GRPO-MA's thoughts and answers) is aggregated on its own
+      (aggregation_weights with the part's global counts and length limit), so under dapo and
+      grpo each part's weights sum to 1 and J is a sum of one mean per part.
+    - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
+      1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens get
+      Lt / (Lt + M La) of J, answers of La the rest.
+    - λ-GRPO's 1/|λ| multiplies the weights (policy and KL terms), not the normaliser.
+    """
+    assert rows.max_lengths, "the rollout sets each loss part's max_lengths"
+    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
+    parents = rows.parent[rows.parent >= 0]
+    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
+    part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
+    weights, tokens = torch.zeros(rows.completion_mask.shape), 0
+    for k, max_len in enumerate(rows.max_lengths):
+        in_part = part == k
+        mask = rows.completion_mask[in_part]
+        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # (section 7: over ranks)
+        weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
+        tokens += n_tokens
+    if rows.inv_lambda is not None:
+        weights = weights * rows.inv_lambda
+    return weights, tokens
+
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
 
-    - The weights w of the whole batch come first (global_loss_weights), so micro-batches and
-      ranks add up to the batch's loss; a new aggregation is a change to aggregation_weights, a
-      new per-token loss one to policy_loss.
+    - Every token first gets its weight w in J over the global batch, all micro-batches and all
+      ranks (global_loss_weights; set on the rows, so that each micro-batch carries its own).
+      Each micro-batch's loss is then its piece of -J: backward() adds the pieces up, and
+      sum_gradients the ranks'. A new aggregation is a change to aggregation_weights, a new
+      per-token loss one to policy_loss.
+    - The logged loss is summed the same way; kl and the clip fractions, token means of a
+      micro-batch, are weighted by its share of the global tokens and summed over the ranks.
+      A new metric must be such a share, or it will be summed over the ranks too.
     - Old log-probs only at μ > 1, reference log-probs only at β > 0, both before the first step.
     - Sampling ran in eval mode, this runs in train mode: the same policy without dropout (Qwen2/3
       and Llama configs set it to 0).
@@ -834,7 +845,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     shares = [m.completion_mask.sum().item() / max(all_tokens, 1) for m in micro]  # kl, clips
     device = next(model.parameters()).device
     micro = [m.to(device) for m in micro]
-    logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps
+    logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps  # (rows_logps: below)
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     grad_norms = []
     with timed(metrics, "time/update"):
@@ -930,7 +941,7 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
-    metrics = global_means(metrics)  # one all-reduce for all of the rollout's metrics
+    metrics = global_means(metrics)  # means over all ranks, in one all-reduce (section 7)
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
@@ -940,9 +951,13 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
 
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary (rank 0; None on the others).
-    Checkpoints every --save-every steps and at the end, and when SIGTERM or Ctrl-C stops it
-    (after the step in progress and its eval). The setup, loading, saving and signal helpers
-    (setup_distributed ... signals_caught) are plumbing, in section 7."""
+
+    Each step: train_step (what a step does: sample, score, update), the schedule, a metrics line,
+    the eval when due, a checkpoint every --save-every steps and at the end. Around the loop: a
+    resume starts at its checkpoint's step; SIGTERM or Ctrl-C stops the run after the step in
+    progress and its eval (every rank agrees on the step, rank 0 saves it, then all exit). The
+    helpers it calls (setup_distributed, load_run, open_logs, save_checkpoint, signals_caught,
+    all_reduce) are plumbing, in section 7."""
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
