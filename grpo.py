@@ -283,33 +283,39 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", b
 # The number reader. An answer is a number only when one number stands alone in it once the
 # known wrappers are gone: a false positive is worse than a miss, the policy is trained toward it.
 
-BRACES = r"\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}"  # {...} with braces nested two levels inside
-BOXED_RE = re.compile(rf"\\boxed({BRACES})")
+INNER = r"(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*"  # text with braces nested up to two levels
+BOXED_RE = re.compile(rf"\\boxed\{{({INNER})\}}")
 TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
-FRAC_RE = re.compile(r"\\[dt]?frac\{(-?[0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of plain numbers
-RUN_RE = re.compile(r"-?\.?[0-9]+(?:[.,/][0-9]+)*")  # digits joined by . , / (linear: no backtrack)
+FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
+PLAIN = [("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", "%"), ("**", " ")]  # minus, $, %, bold
+ASSIGNMENT_RE = re.compile(r"^\s*[A-Za-z]\w*\s*=")  # "x = 7": the unknown's name goes
+RUN_RE = re.compile(r"[-+]?\.?[0-9]+(?:[.,/][0-9]+)*")  # digits joined by . , / (linear: no backtrack)
 # a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
-DECIMAL = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
-NUMBER_RE = re.compile(rf"-?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
-MATH = set("\\^_{}")  # LaTeX left once the wrappers are gone: an expression, not a number
+DECIMAL = r"(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
+NUMBER_RE = re.compile(rf"[-+]?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
+PROSE = set(".,;:!?'\"%#")  # what may stand around a number besides words and spaces
 MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 def parse_number(text: str):
     """The one number an answer holds -> Fraction, else None.
 
-    - Read inside the last \\boxed{} if there is one.
-    - Ignored around it: words and units set apart by spaces, $, \\$, \\text{}, ** and a final
-      full stop ('The answer is 1,234.', '18 eggs', '\\$12.50', '-\\frac{1}{2}', '.5', '-3/4').
-    - None for two numbers ('7 or 8'), a malformed one ('3,5', '1, 2'), and an expression: LaTeX
-      left once the wrappers are gone ('3 \\pi', '\\sqrt{2}'), or a number that touches a letter
-      or a ! ('2i', 'v2', '4!'). score then compares the answer with the reference as text.
+    - The wrappers go first (unwrap): \\boxed{}, \\text{}, $, \\$, \\frac{a}{b} of numbers, **.
+    - Then the number may stand among words, spaces and prose punctuation (. , ; : ! ? ' " % #)
+      only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50', 'x = 7',
+      '-\\frac{1}{2}', '.5', '-3/4', '50\\%'.
+    - None for two numbers ('7 or 8', '\\boxed{3} or \\boxed{5}', '2\\frac{1}{3}'), a malformed
+      one ('3,5', '1, 2', '0,005'), and an expression: an operator, bracket or LaTeX command
+      beside it ('x+5', '- 5', 'y = x + 3', '\\sqrt{2}', '3 \\pi', '±5'), or a letter or ! that
+      touches it ('2i', 'v2', '4!'). score then compares such an answer with the reference as
+      text. Words are not read: '5 thousand' is 5.
     """
-    inner = boxed(text)
-    text = unwrap(text if inner is None else inner)
+    text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
     runs = number_runs(text)
-    if MATH & set(text) or len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
+    if len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
         return None
-    if not NUMBER_RE.fullmatch(runs[0]):
+    around = RUN_RE.sub(" ", text)
+    if not NUMBER_RE.fullmatch(runs[0]) or not all(c.isalpha() or c.isspace() or c in PROSE
+                                                   for c in around):
         return None
     numerator, _, denominator = runs[0].replace(",", "").partition("/")
     if denominator and Fraction(denominator) == 0:
@@ -317,15 +323,18 @@ def parse_number(text: str):
     return Fraction(numerator) / Fraction(denominator or 1)
 
 def boxed(text: str):
-    """What the last \\boxed{...} holds (braces nested two levels inside it), or None."""
+    """What the last \\boxed{...} holds (braces nested up to two levels inside it), or None."""
     found = BOXED_RE.findall(text)
-    return found[-1][1:-1] if found else None
+    return found[-1] if found else None
 
 def unwrap(text: str) -> str:
-    """The text with the wrappers around numbers made plain: $ and \\$ go, \\text{x} is x set
-    apart, \\frac{a}{b} of plain numbers is a/b, the Unicode minus is -."""
-    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-")
-    return FRAC_RE.sub(r"\1/\2", TEXT_RE.sub(r" \1 ", text))
+    """The text with the wrappers around numbers made plain, each set apart by spaces:
+    \\boxed{x} and \\text{x} are x, \\frac{a}{b} of numbers is a/b, $ and \\$ go, \\% is %, the
+    Unicode minus is -, markdown's ** goes."""
+    for old, new in PLAIN:
+        text = text.replace(old, new)
+    text = TEXT_RE.sub(r" \1 ", BOXED_RE.sub(r" \1 ", text))
+    return FRAC_RE.sub(r" \1\2/\3 ", text)
 
 def number_runs(text: str) -> list:
     """The number-like runs of a text, as written; None for a run that touches a letter, a digit
@@ -333,7 +342,7 @@ def number_runs(text: str) -> list:
     runs = []
     for match in RUN_RE.finditer(text):
         around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
-        alone = not any(c.isalnum() or c in MATH or c == "!" for c in around)
+        alone = not any(c.isalnum() or c in "\\^_{}!" for c in around)
         runs.append(match.group() if alone else None)
     return runs
 

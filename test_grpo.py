@@ -217,12 +217,30 @@ GRADER_CASES = [
     ("x^2", "x^2", 1.0), ("3\\pi", "3 \\pi", 1.0),                       # not numbers: compared as text
     ("18eggs", "18", 0.0),                                                 # a unit not set apart
     ("3 \\pi", "3", 0.0), ("x ^ 2", "2", 0.0),                              # LaTeX left in the answer
+    ("50\\%", "50", 1.0), ("+85.0", "85", 1.0), ("\\boxed{5\\text{ cm}}", "5", 1.0),
 ]
 
 # A number that touches a letter, a backslash command, ^, _, ! or braces is part of an expression, not that
 # number: each pair scores 0 in both directions (at 29830ed each scored 1: the digits alone were read).
 EXPRESSIONS = [("4", "\\frac{\\pi}{4}"), ("2", "\\sqrt{2}"), ("3", "3\\pi"), ("x^2", "2"), ("2", "2i"), ("4!", "4"),
                ("v2", "2"), ("x_2", "2"), ("2", "\\sqrt[3]{8}")]
+
+
+# Found by a hostile tester at 995deb2 (each scored 1 then): operators, brackets and symbols around the number,
+# a sign set apart, several boxes or text around one, a mixed number, a leading zero group, other dashes and signs.
+NOT_THE_NUMBER = [("x+5", "5"), ("5-x", "5"), ("x/2", "2"), ("3/x", "3"), ("5*x", "5"), ("(x+2)", "2"),
+                  ("f(x)=x+1", "1"), ("π/4", "4"), ("√x+1", "1"), ("y=-x+3", "y=x+3"), ("3", "y=x+3"), ("1", "n+1"),
+                  ("- 5", "5"), ("\\boxed{- 5}", "5"), ("- \\frac{1}{2}", "0.5"), ("–5", "5"), ("－5", "5"),
+                  ("\\boxed{3} or \\boxed{5}", "5"), ("x = -\\boxed{5}", "5"), ("\\boxed{5}^2", "5"),
+                  ("\\sqrt{\\boxed{2}}", "2"), ("√2", "2"), ("sqrt(2)", "2"), ("±5", "5"), ("x ≥ 5", "5"),
+                  ("x ≠ 5", "5"), ("≈ 3", "3"), ("2\\frac{1}{3}", "7"), ("2\\frac{1}{3}", "21/3"), ("\\frac{1}{2}3", "1/23"),
+                  ("5 ½", "5"), ("0,005", "5"), ("(0,100)", "100"), ("100", "[0,100]"), ("5⁻¹", "5"), ("(-5)²", "-5"),
+                  ("|−5|", "-5"), ("-(-5)", "-5")]
+
+
+@pytest.mark.parametrize("answer,reference", NOT_THE_NUMBER)
+def test_an_answer_around_a_number_is_not_that_number(answer, reference):
+    assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True)[0] == 0.0
 
 
 @pytest.mark.parametrize("first,second", EXPRESSIONS)
@@ -244,6 +262,7 @@ def test_score_reads_answers_as_graders_do(answer, reference, reward):
     ("<answer>8</answer> and 9", 0.0, True),                       # tags mean nothing here
     ("eight", 0.0, False), ("3,5", 0.0, False),                    # no number / a malformed one
     ("<think>8</think>so 3 + 4 = 7", 0.0, True), ("<think>8", 0.0, False),  # only after the thought
+    ("so \\boxed{8}", 1.0, True), ("$\\frac{16}{2}$.", 1.0, True),
 ])
 def test_score_last_number_mode(text, reward, parsed):
     assert grpo.score(text, "8", True, reward="last-number") == (reward, parsed)
