@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
-    python grpo.py                     # GRPO on the tiny model in data/ (CPU, offline, ~30 s)
+    python grpo.py                     # GRPO on the tiny model in data/ (CPU, offline, ~45 s)
     python grpo.py --variant ma        # or lambda, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --test-data test.jsonl \\
         --max-new-tokens 512 --lr 1e-6          # one GPU, bf16 autocast
@@ -16,7 +16,7 @@ advantages A, and takes a gradient step on the loss -J, where (ε_high = ε unle
     KL_it = exp(ref - logp) - (ref - logp) - 1                  (Schulman's k3, to a frozen copy)
     w_it = 1 / (all tokens of the batch)                        (TRL's dapo; or grpo, dr_grpo)
 
-The variants change only A and w:
+The variants change the advantages A, the weights w and, for ma and ta, the contexts c_i:
 
     grpo    A_i = r_i normalised within its group of G completions     (DeepSeekMath, 2402.03300)
     lambda  w_it / |λ(i,t)|, the completions of the group that share o_i up to t  (2509.21154)
@@ -37,7 +37,8 @@ TA-GRPO's rephrasings come from the data file; the learning rate warms up, then 
 
 Sections: 1 the ideas (one function per scheme, then the loss), 2 the reward, 3 the sampler,
 4 Config, the rows and one rollout per variant, 5 log-probs and the update, 6 the loop and the
-eval, 7 plumbing (flags, data, checkpoints, signals, torchrun) that a first read can skip.
+eval; then what a first read can skip: the number reader, and 7 plumbing (flags, data,
+checkpoints, signals, torchrun).
 """
 
 import contextlib
@@ -72,22 +73,23 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
         A = (r - mean(r)) / (std(r) + eps)   per group, std unbiased (ddof=1) as TRL
         A = r - mean(r)                      scale="none" (Dr. GRPO)
 
-    A group whose rewards are all equal gets exactly 0, not rounding noise over eps. A NaN reward
-    marks a row that does not exist (TA's missing rephrasing, MA's unanswered thought): it is left
-    out of its group's statistics and gets NaN back.
+    A group whose rewards are all equal gets exactly 0: its float mean can miss r by ~1e-8, which
+    divided by std + eps would be an advantage. A NaN reward marks a row that does not exist (TA's
+    missing rephrasing, MA's unanswered thought): left out of its group's statistics, NaN back.
+    scale="none" on the same rewards: [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0].
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean .25, std .5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
     """
     r = rewards.reshape(-1, group_size)  # (groups, G)
     adv = r - r.nanmean(1, keepdim=True)
-    if scale == "group":  # unbiased std, NaN left out (torch has no nanstd); one reward: 0/0 -> 0
+    if scale == "group":  # unbiased std, NaN left out (no torch.nanstd); one reward: NaN, 0 below
         n = (~r.isnan()).sum(1, keepdim=True)
         std = ((adv ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
         adv = adv / (std + eps)
     elif scale != "none":
         raise ValueError(f"scale must be group or none, got {scale!r}")
-    # all existing rewards equal (max == min) -> exactly 0, not the rounding noise of the mean / eps
+    # all existing rewards equal (max == min) -> exactly 0
     high = torch.where(r.isnan(), -math.inf, r).amax(1, keepdim=True)
     low = torch.where(r.isnan(), math.inf, r).amin(1, keepdim=True)
     adv = torch.where((high == low) & ~r.isnan(), 0.0, adv)
@@ -127,10 +129,10 @@ def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
     return group_advantages(rewards.reshape(-1), Q * G, scale, eps).reshape(P, Q, G)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask. Rows form groups of group_size
-    right-padded completions; |λ(i,t)| counts the completions of i's group (i itself and exact
-    duplicates included) whose first t+1 tokens are i's, so a shared prefix is trained once. One
-    group of group_size = 6:
+    """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask. completion_ids and its mask
+    (B, T): groups of group_size consecutive rows, each right-padded (its mask 1s from column 0).
+    |λ(i,t)| counts the completions of i's group (i itself and exact duplicates included) whose
+    first t+1 tokens are i's, so a shared prefix is trained once. One group of group_size = 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -161,8 +163,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
         dr_grpo  1 / (rows · max_completion_length)   a constant (arXiv 2503.20783)
 
     Rows of 2 and 4 tokens: dapo 1/6 each; grpo [1/4, 1/4], [1/8] * 4; dr_grpo (limit 8) 1/16.
-    To weigh a piece of a batch (a micro-batch, a rank), pass the whole batch's num_rows and
-    num_tokens: the pieces' losses then add up to the batch's.
+    To weigh a piece of a batch (a micro-batch, a rank), pass the whole batch's num_rows (grpo,
+    dr_grpo) and num_tokens (dapo): the pieces' losses then add up to the batch's.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -189,7 +191,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     tie; torch gives each half the gradient and the clip passes it inside its range, so the
     gradient is -A ∇ logp: the policy gradient. Weights: with aggregation_weights' dapo or grpo
     weights (they sum to 1) the loss is a mean; λ-GRPO multiplies them by lambda_weights(ids,
-    mask, G). ε_high = ε when None, as TRL. The metrics are 0-dim tensors: no device sync.
+    mask, G). ε_high = ε when None, as TRL. The metrics are 0-dim tensors (token means).
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -229,7 +231,7 @@ def after_thought(text: str):
 def extract_answer(text: str, reward: str = "tags"):
     """The answer after the thought, or None: the last <answer>...</answer>, else the last
     \\boxed{...}; with reward="last-number", the last number (GSM8K's convention), unless it is
-    part of an expression. (The number reader, parse_number and its helpers, follows score.)"""
+    part of an expression. (The number reader, parse_number and its helpers, is after section 6.)"""
     text = after_thought(text)
     if text is None:
         return None
@@ -280,72 +282,6 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", b
     parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
     return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
 
-# The number reader. An answer is a number only when one number stands alone in it once the
-# known wrappers are gone: a false positive is worse than a miss, the policy is trained toward it.
-
-INNER = r"(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*"  # text with braces nested up to two levels
-BOXED_RE = re.compile(rf"\\boxed\{{({INNER})\}}")
-TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
-FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
-PLAIN = [("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", "%"), ("**", " ")]  # minus, $, %, bold
-ASSIGNMENT_RE = re.compile(r"^\s*[A-Za-z]\w*\s*=")  # "x = 7": the unknown's name goes
-RUN_RE = re.compile(r"[-+]?\.?[0-9]+(?:[.,/][0-9]+)*")  # digits joined by . , / (linear: no backtrack)
-# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
-DECIMAL = r"(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
-NUMBER_RE = re.compile(rf"[-+]?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
-PROSE = set(".,;:!?'\"%#")  # what may stand around a number besides words and spaces
-MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
-
-def parse_number(text: str):
-    """The one number an answer holds -> Fraction, else None.
-
-    - The wrappers go first (unwrap): \\boxed{}, \\text{}, $, \\$, \\frac{a}{b} of numbers, **.
-    - Then the number may stand among words, spaces and prose punctuation (. , ; : ! ? ' " % #)
-      only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50', 'x = 7',
-      '-\\frac{1}{2}', '.5', '-3/4', '50\\%'.
-    - None for two numbers ('7 or 8', '\\boxed{3} or \\boxed{5}', '2\\frac{1}{3}'), a malformed
-      one ('3,5', '1, 2', '0,005'), and an expression: an operator, bracket or LaTeX command
-      beside it ('x+5', '- 5', 'y = x + 3', '\\sqrt{2}', '3 \\pi', '±5'), or a letter or ! that
-      touches it ('2i', 'v2', '4!'). score then compares such an answer with the reference as
-      text. Words are not read: '5 thousand' is 5.
-    """
-    text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
-    runs = number_runs(text)
-    if len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
-        return None
-    around = RUN_RE.sub(" ", text)
-    if not NUMBER_RE.fullmatch(runs[0]) or not all(c.isalpha() or c.isspace() or c in PROSE
-                                                   for c in around):
-        return None
-    numerator, _, denominator = runs[0].replace(",", "").partition("/")
-    if denominator and Fraction(denominator) == 0:
-        return None
-    return Fraction(numerator) / Fraction(denominator or 1)
-
-def boxed(text: str):
-    """What the last \\boxed{...} holds (braces nested up to two levels inside it), or None."""
-    found = BOXED_RE.findall(text)
-    return found[-1] if found else None
-
-def unwrap(text: str) -> str:
-    """The text with the wrappers around numbers made plain, each set apart by spaces:
-    \\boxed{x} and \\text{x} are x, \\frac{a}{b} of numbers is a/b, $ and \\$ go, \\% is %, the
-    Unicode minus is -, markdown's ** goes."""
-    for old, new in PLAIN:
-        text = text.replace(old, new)
-    text = TEXT_RE.sub(r" \1 ", BOXED_RE.sub(r" \1 ", text))
-    return FRAC_RE.sub(r" \1\2/\3 ", text)
-
-def number_runs(text: str) -> list:
-    """The number-like runs of a text, as written; None for a run that touches a letter, a digit
-    of another script, LaTeX (\\ ^ _ { }) or a ! (2i, v2, x^2, 3\\pi, \\sqrt{2}, 4!)."""
-    runs = []
-    for match in RUN_RE.finditer(text):
-        around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
-        alone = not any(c.isalnum() or c in "\\^_{}!" for c in around)
-        runs.append(match.group() if alone else None)
-    return runs
-
 # -----------------------------------------------------------------------------
 # 3. The sampler: each prompt encoded once, its KV cache copied to the rows that continue it.
 # A first read needs only generate(): n samples per prompt, returned as Samples. It (and the
@@ -355,7 +291,8 @@ def number_runs(text: str) -> list:
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
     """A question (after the system prompt) chat-templated into token ids, generation prompt on,
     then the response prefix: the reply's first words (DeepSeek-R1's template ends with <think>),
-    tokenized on their own, as the model would have written them. Never sampled, never trained."""
+    tokenized on their own, so that the template's tokens stay as they are. Never sampled, never
+    trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -383,7 +320,8 @@ class Prefix:
 
     def reorder(self, index):
         """In place, as the DynamicCache it holds: keep rows `index`, a repeated index copying a
-        context to several continuations. index_select: its CPU backward is deterministic."""
+        context to several continuations (HF's reorder_cache and index_select here: their CPU
+        backward is deterministic, unlike x[index]'s)."""
         self.cache.reorder_cache(index)
         self.mask = self.mask.index_select(0, index)
         self.last = self.last.index_select(0, index)
@@ -481,8 +419,8 @@ def eos_ids(model, tokenizer) -> list[int]:
     """Every token that ends a completion: the tokenizer's EOS and the generation config's (Qwen has
     two: <|im_end|> and <|endoftext|>)."""
     ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    return sorted(ids | {tokenizer.eos_token_id})
+    ids = set(ids if isinstance(ids, list) else [ids])
+    return sorted((ids | {tokenizer.eos_token_id}) - {None})
 
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     """The text of each completion's masked tokens, special tokens dropped."""
@@ -528,7 +466,7 @@ class Config:
     scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
     beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
     epsilon: float = _opt(0.2, "clip range of the ratio (the upper too, unless --epsilon-high)")
-    epsilon_high: float = _opt(0.0, "upper clip range (0 = same as --epsilon; DAPO uses 0.28)")
+    epsilon_high: float | None = _opt(None, "upper clip range (default: --epsilon; DAPO: 0.28)")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
     reward: str = _opt("tags", "the answer is in <answer> tags (or \\boxed), or the last number",
                        ["tags", "last-number"])
@@ -564,8 +502,8 @@ class Rows:
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (no rollout here needs it); finite
-    max_lengths: list = field(default_factory=list)  # each loss part's length limit (dr_grpo's)
-    part: torch.Tensor | None = None  # (B,) each row's loss part (None: all in part 0)
+    part_limits: list = field(default_factory=list)  # one per loss part: its length limit (dr_grpo)
+    part: torch.Tensor | None = None  # (B,) each row's loss part: an index into part_limits
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
     rewards: torch.Tensor | None = None  # (B,) shown by log_group (an MA thought: its value)
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J (update sets it)
@@ -614,7 +552,7 @@ class Rows:
 # rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
 #   1. prompts = [prompt_ids(...)]; samples = generate(...) inside timed(metrics, "time/sample")
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
-#   3. Rows: prompt_index for each row, parent -1 (or a thought row, for an answer), max_lengths
+#   3. Rows: prompt_index for each row, parent -1 (or a thought row, for an answer), part_limits
 #      (and part, for more than one loss part)
 #   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
@@ -698,10 +636,10 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    unclosed_thoughts=~closed,
                    thought_length=th_mask.sum(1).float())
     if cfg.ma_weighting == "parts":
-        part, max_lengths = (parent >= 0).long(), [cfg.max_new_tokens, cfg.max_answer_tokens]
+        part, part_limits = (parent >= 0).long(), [cfg.max_new_tokens, cfg.max_answer_tokens]
     else:  # one token mean over thoughts and answers
-        part, max_lengths = None, [max(cfg.max_new_tokens, cfg.max_answer_tokens)]
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, max_lengths, part,
+        part, part_limits = None, [max(cfg.max_new_tokens, cfg.max_answer_tokens)]
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, part_limits, part,
                 rewards=torch.cat([values.view(-1), answer_rewards]))
     return rows, metrics
 
@@ -813,17 +751,17 @@ def global_loss_weights(rows: Rows, loss_type: str):
       (aggregation_weights with the part's global counts and length limit), so under dapo and
       grpo each part's weights sum to 1 and J is a sum of one mean per part.
     - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
-      1 / (all answer tokens); pooled (--ma-weighting tokens), thoughts of Lt tokens get
-      Lt / (Lt + M La) of J, answers of La the rest.
+      1 / (all answer tokens); pooled (--ma-weighting tokens), when every thought closed with Lt
+      tokens and every answer has La, the thoughts get Lt / (Lt + M La) of J.
     - λ-GRPO's 1/|λ| multiplies the weights (policy and KL terms), not the normaliser.
     """
-    assert rows.max_lengths, "the rollout sets each loss part's max_lengths"
+    assert rows.part_limits, "the rollout sets part_limits, one per loss part"
     assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
     parents = rows.parent[rows.parent >= 0]
     assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
-    for k, max_len in enumerate(rows.max_lengths):
+    for k, max_len in enumerate(rows.part_limits):
         in_part = part == k
         mask = rows.completion_mask[in_part]
         n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # (section 7: over ranks)
@@ -870,7 +808,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
                 loss, loss_metrics = policy_loss(
                     logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
                     m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high or None)  # the flag's 0: as --epsilon
+                    epsilon_high=cfg.epsilon_high)
                 loss.backward()
                 totals["loss"] += loss.item() / cfg.num_iterations
                 for key, value in loss_metrics.items():  # means per token: weighted by share
@@ -922,7 +860,8 @@ def rows_logps(model, rows: Rows, temperature: float):
 
 def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
     """rows_logps' pass: write into logps the log-probs of rows idx, each after its context in ctx,
-    and return the contexts that end with those rows, ready for their children."""
+    and return the contexts that end with those rows, ready for their children (ctx's cache grows
+    in place: it is the returned Prefix's)."""
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
     inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
@@ -1102,6 +1041,74 @@ def report(cfg: Config, wall_s: float) -> dict:
     line = [f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in shown if k in before and k in after]
     print(f"{cfg.variant}: " + " | ".join(line) + f" | {wall_s:.0f} s")
     return summary
+
+# -----------------------------------------------------------------------------
+# The number reader of section 2's score (a first read can skip it). An answer is a number only
+# when one number stands alone in it once the known wrappers are gone: a false positive is worse
+# than a miss, since the policy is trained toward it.
+
+INNER = r"(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*"  # text with braces nested up to two levels
+BOXED_RE = re.compile(rf"\\boxed\{{({INNER})\}}")
+TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
+FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
+PLAIN = [("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", "%"), ("**", " ")]  # minus, $, %, bold
+ASSIGNMENT_RE = re.compile(r"^\s*[A-Za-z]\w*\s*=")  # "x = 7": the unknown's name goes
+RUN_RE = re.compile(r"[-+]?\.?[0-9]+(?:[.,/][0-9]+)*")  # digits joined by . , / (no backtracking)
+# a well-formed run: commas only as thousands separators, an optional decimal part, a fraction
+DECIMAL = r"(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+"
+NUMBER_RE = re.compile(rf"[-+]?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
+PROSE = set(".,;:!?'\"%#")  # what may stand around a number besides words and spaces
+MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
+
+def parse_number(text: str):
+    """The one number an answer holds -> Fraction, else None.
+
+    - The wrappers go first (unwrap): \\boxed{}, \\text{}, $, \\$, \\frac{a}{b} of numbers, **.
+    - Then the number may stand among words, spaces and prose punctuation (. , ; : ! ? ' " % #)
+      only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50', 'x = 7',
+      '-\\frac{1}{2}', '.5', '-3/4', '50\\%'.
+    - None for two numbers ('7 or 8', '\\boxed{3} or \\boxed{5}', '2\\frac{1}{3}'), a malformed
+      one ('3,5', '1, 2', '0,005'), and an expression: an operator, bracket or LaTeX command
+      beside it ('x+5', '- 5', 'y = x + 3', '\\sqrt{2}', '3 \\pi', '±5'), or a letter or ! that
+      touches it ('2i', 'v2', '4!'). score then compares such an answer with the reference as
+      text. Words are not read: '5 thousand' is 5.
+    """
+    text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
+    runs = number_runs(text)
+    if len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
+        return None
+    around = RUN_RE.sub(" ", text)
+    if not NUMBER_RE.fullmatch(runs[0]) or not all(c.isalpha() or c.isspace() or c in PROSE
+                                                   for c in around):
+        return None
+    numerator, _, denominator = runs[0].replace(",", "").partition("/")
+    if denominator and Fraction(denominator) == 0:
+        return None
+    return Fraction(numerator) / Fraction(denominator or 1)
+
+def boxed(text: str):
+    """What the last \\boxed{...} holds (braces nested up to two levels inside it), or None."""
+    found = BOXED_RE.findall(text)
+    return found[-1] if found else None
+
+def unwrap(text: str) -> str:
+    """The text with the wrappers around numbers made plain, each set apart by spaces:
+    \\boxed{x} and \\text{x} are x, \\frac{a}{b} of numbers is a/b, $ and \\$ go, \\% is %, the
+    Unicode minus is -, markdown's ** goes."""
+    for old, new in PLAIN:
+        text = text.replace(old, new)
+    text = TEXT_RE.sub(r" \1 ", BOXED_RE.sub(r" \1 ", text))
+    return FRAC_RE.sub(r" \1\2/\3 ", text)
+
+def number_runs(text: str) -> list:
+    """The number-like runs of a text, as written; None for a run that touches a letter, a digit
+    of another script, LaTeX (\\ ^ _ { }) or a ! (2i, v2, x^2, 3\\pi, \\sqrt{2}, 4!)."""
+    runs = []
+    for match in RUN_RE.finditer(text):
+        around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
+        alone = not any(c.isalnum() or c in "\\^_{}!" for c in around)
+        runs.append(match.group() if alone else None)
+    return runs
 
 # -----------------------------------------------------------------------------
 # 7. Plumbing (a first read can stop here): flags, data, models, checkpoints, signals, ranks.

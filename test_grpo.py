@@ -50,7 +50,7 @@ def make_rows(prompts, completion_ids, completion_mask, **fields):
     fields.setdefault("prompt_index", torch.zeros(B, dtype=torch.long))
     fields.setdefault("parent", torch.full((B,), -1))
     fields.setdefault("advantages", torch.zeros(B))
-    fields.setdefault("max_lengths", [C])
+    fields.setdefault("part_limits", [C])
     return grpo.Rows(prompts=prompts, completion_ids=completion_ids, completion_mask=completion_mask, **fields)
 
 
@@ -629,8 +629,8 @@ def ma_rows(tok, M, thought_adv=1.0, answer_adv=0.0, closed=(True, True), weight
     advantages = torch.tensor([thought_adv] * 2 + [answer_adv] * len(parents))
     parent = torch.tensor([-1, -1] + parents)
     part = (parent >= 0).long() if weighting == "parts" else None
-    max_lengths = [4, 4] if weighting == "parts" else [4]
-    return make_rows([prompt], ids, mask, parent=parent, advantages=advantages, max_lengths=max_lengths, part=part)
+    part_limits = [4, 4] if weighting == "parts" else [4]
+    return make_rows([prompt], ids, mask, parent=parent, advantages=advantages, part_limits=part_limits, part=part)
 
 
 def ma_loss(tiny, rows, M, **kw):
@@ -702,7 +702,7 @@ def test_global_loss_weights_refuse_rows_that_break_the_contract(tiny):
 def parts_of(rows):
     """A rollout's loss parts as plain values: (row indices, length limit)."""
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
-    return [((part == k).nonzero().squeeze(1).tolist(), limit) for k, limit in enumerate(rows.max_lengths)]
+    return [((part == k).nonzero().squeeze(1).tolist(), limit) for k, limit in enumerate(rows.part_limits)]
 
 
 def test_rollouts_set_their_loss_parts(tiny):
@@ -2070,7 +2070,7 @@ def ddp_case(loss_type, cache={}):
         torch.manual_seed(0)
         s = grpo.generate(model, tok, prompts, 4, 32)
         advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
-        cache["rows"] = make_rows(prompts, s.completion_ids, s.completion_mask, max_lengths=[32],
+        cache["rows"] = make_rows(prompts, s.completion_ids, s.completion_mask, part_limits=[32],
                                   prompt_index=torch.arange(8).repeat_interleave(4), advantages=advantages)
         cache["model"] = model
     model, ref = copy.deepcopy(cache["model"]), copy.deepcopy(cache["model"]).eval()
