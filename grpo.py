@@ -19,7 +19,8 @@ advantages A, and takes a gradient step on the loss -J, where (ε_high = ε unle
 The variants change the advantages A, the weights w and, for ma and ta, the contexts c_i:
 
     grpo    A_i = r_i normalised within its group of G completions     (DeepSeekMath, 2402.03300)
-    lambda  w_it / |λ(i,t)|, the completions of the group that share o_i up to t  (2509.21154)
+    lambda  w_it / |λ(i,t)|, λ(i,t) the completions of the group whose first t+1 tokens are
+            o_i's                                                   (λ-GRPO, 2509.21154)
     ma      K thoughts per prompt, M answers per thought; a thought's A from the mean reward of
             its answers, normalised over the K; an answer's over all K·M     (GRPO-MA, 2509.24494)
     ta      q0 and N rephrasings, G samples each, A normalised over all (N+1)·G; ρ and ∇ log π
@@ -65,7 +66,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
 # -----------------------------------------------------------------------------
-# 1. The ideas: one function per scheme, on plain tensors (each can be copied out alone).
+# 1. The ideas: one function per scheme, on plain tensors (copy group_advantages with ma_ or ta_).
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
     """GRPO's advantages; rewards (groups * G,), G = group_size consecutive rewards per group.
@@ -76,14 +77,15 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     A group whose rewards are all equal gets exactly 0: its float mean can miss r by ~1e-8, which
     divided by std + eps would be an advantage. A NaN reward marks a row that does not exist (TA's
     missing rephrasing, MA's unanswered thought): left out of its group's statistics, NaN back.
-    scale="none" on the same rewards: [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0].
+    scale="none" on the same rewards: [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]; a group
+    [1, 0, NaN, NaN]: [0.7070, -0.7070, NaN, NaN] (the two rewards that exist, std 0.7071).
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean .25, std .5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
     """
     r = rewards.reshape(-1, group_size)  # (groups, G)
     adv = r - r.nanmean(1, keepdim=True)
-    if scale == "group":  # unbiased std, NaN left out (no torch.nanstd); one reward: NaN, 0 below
+    if scale == "group":  # unbiased std, NaN left out (no torch.nanstd); 1 reward: NaN, 0 below
         n = (~r.isnan()).sum(1, keepdim=True)
         std = ((adv ** 2).nansum(1, keepdim=True) / (n - 1)).sqrt()
         adv = adv / (std + eps)
@@ -188,8 +190,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         loss = Σ loss_weights · per-token loss, over the mask
 
     At μ = 1, old = logp.detach(): ρ = 1, whose gradient is ∇ logp. The two terms of the min then
-    tie; torch gives each half the gradient and the clip passes it inside its range, so the
-    gradient is -A ∇ logp: the policy gradient. Weights: with aggregation_weights' dapo or grpo
+    tie; torch gives each half the gradient and the clip passes it inside its range, so
+    ∂loss/∂logp = -w A per token: the policy gradient. With aggregation_weights' dapo or grpo
     weights (they sum to 1) the loss is a mean; λ-GRPO multiplies them by lambda_weights(ids,
     mask, G). ε_high = ε when None, as TRL. The metrics are 0-dim tensors (token means).
     """
@@ -269,9 +271,9 @@ def as_text(answer: str) -> str:
     return re.sub(r"\s", "", boxed(answer) or answer)
 
 def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
-    """(rewards, parsed, tagged), each (B,), of the Samples from generate (section 3, as decode).
-    Each text is read after `before` (one string, or one per row): the response prefix, and for a
-    GRPO-MA answer its thought too. tagged: the text wrote <answer> tags after the thought."""
+    """(rewards, parsed, tagged), each (B,), of the Samples from generate, decoded with decode
+    (section 3). Each text is read after `before` (one string, or one per row): the response
+    prefix, and for a GRPO-MA answer its thought too. tagged: <answer> tags after the thought."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     before = [before] * len(texts) if isinstance(before, str) else before
     texts = [b + text for b, text in zip(before, texts)]
@@ -357,9 +359,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
     """n samples for each prompt (token ids), rows in prompt order, one token per forward pass.
 
-    - Each prompt is prefilled once and its cache copied to its n rows.
-    - A row ends at an EOS token (any of eos_ids), at the length limit, or at the token whose text
-      completes a stop string; ended rows leave the batch.
+    - Each prompt is prefilled once and its cache copied to its n rows. A row ends at an EOS token
+      (any of eos_ids, below), at the length limit, or at the token whose text completes a stop
+      string (stop_string_hits, below); ended rows leave the batch.
     - Only the temperature shapes the draw: no top-k, no top-p, nothing of the generation config.
     - Eval mode: no dropout, and HF's gradient checkpointing would drop the cache.
     - Non-finite logits (a diverged policy) stop the run with one line (UserError, section 7).
@@ -459,7 +461,7 @@ class Config:
     ma_weighting: str = _opt("parts", "(ma) parts: a mean over the thoughts plus one over the "
                              "answers; tokens: one mean over both", ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
-    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (paper v5) or the "
+    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper's v5) or the "
                           "rephrasing (public code)", ["original", "rephrased"])
     # loss and optimisation
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
@@ -556,7 +558,15 @@ class Rows:
 #      (and part, for more than one loss part)
 #   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
-# (timed, all_reduce and global_means are plumbing, in section 7)
+
+@contextlib.contextmanager
+def timed(metrics: dict, key: str):
+    """Add the block's wall seconds (once the GPU's queued work is done) to metrics[key]."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 def sample_metrics(rewards, grouped_adv, parsed, tagged, samples) -> dict:
     """The metrics every rollout logs (tensors: means over their elements). reward: that of the
@@ -587,8 +597,9 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)
     parent = torch.full((len(ids),), -1)  # every row continues its prompt directly
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, [cfg.max_new_tokens],
-                rewards=rewards, inv_lambda=inv_lambda if cfg.variant == "lambda" else None)
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
+                part_limits=[cfg.max_new_tokens], rewards=rewards,
+                inv_lambda=inv_lambda if cfg.variant == "lambda" else None)
     return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
@@ -633,23 +644,23 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     # the completions are the answers; the thoughts have metrics of their own
     metrics.update(sample_metrics(answer_rewards, answer_adv.view(P, -1), parsed, tagged, ans),
                    thought_value=values, frac_value_zero_std=(thought_adv == 0).all(1),
-                   unclosed_thoughts=~closed,
-                   thought_length=th_mask.sum(1).float())
+                   unclosed_thoughts=~closed, thought_length=th_mask.sum(1).float())
     if cfg.ma_weighting == "parts":
         part, part_limits = (parent >= 0).long(), [cfg.max_new_tokens, cfg.max_answer_tokens]
     else:  # one token mean over thoughts and answers
         part, part_limits = None, [max(cfg.max_new_tokens, cfg.max_answer_tokens)]
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, part_limits, part,
-                rewards=torch.cat([values.view(-1), answer_rewards]))
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, part_limits=part_limits,
+                part=part, rewards=torch.cat([values.view(-1), answer_rewards]))
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """TA-GRPO (ta_advantages): each question q0 with n <= N of its rephrasings (drawn afresh each
     step), G responses to each, advantages normalised over the question's (n+1)·G responses.
-    --ta-anchor original (paper v5) takes every log-prob as log π(o | q0): at μ = 1 the ratio is 1
-    either way, but the gradient is ∇ log π(o | q0) (at μ > 1, π_old(o | q0) too: a ratio of the
-    anchored policy, not an importance weight of the sampling one); `rephrased` keeps the prompt
-    that produced the response (the public code). Rows for P = 1, N = 2, G = 2, one drawn:
+    --ta-anchor original (the paper's arXiv v5) takes every log-prob as log π(o | q0): at μ = 1
+    the ratio is 1 either way, but the gradient is ∇ log π(o | q0) (at μ > 1, π_old(o | q0) too:
+    a ratio of the anchored policy, not an importance weight of the sampling one); `rephrased`
+    keeps the prompt that produced the response (the public code). Rows for P = 1, N = 2, G = 2,
+    one rephrasing drawn:
 
         row  phrasing  prompt_index (original / rephrased)  its (p, j, g) in rewards
         0    q0        0 / 0                                 [0, 0, 0]
@@ -688,8 +699,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
                    reward_rephrased=r[j_idx > 0])
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     parent = torch.full((len(ids),), -1)
-    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages, [cfg.max_new_tokens],
-                rewards=r)
+    rows = Rows(prompts, prompt_index, parent, ids, mask, advantages,
+                part_limits=[cfg.max_new_tokens], rewards=r)
     return rows, metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -754,6 +765,9 @@ def global_loss_weights(rows: Rows, loss_type: str):
       1 / (all answer tokens); pooled (--ma-weighting tokens), when every thought closed with Lt
       tokens and every answer has La, the thoughts get Lt / (Lt + M La) of J.
     - λ-GRPO's 1/|λ| multiplies the weights (policy and KL terms), not the normaliser.
+
+    GRPO-MA, parts, dapo, 2 thoughts of 3 tokens and 4 answers of 2: each thought token 1/6, each
+    answer token 1/8 (J: one mean over the thoughts plus one over the answers).
     """
     assert rows.part_limits, "the rollout sets part_limits, one per loss part"
     assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
@@ -774,19 +788,16 @@ def global_loss_weights(rows: Rows, loss_type: str):
 def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
 
-    - Every token first gets its weight w in J over the global batch, all micro-batches and all
-      ranks (global_loss_weights; set on the rows, so that each micro-batch carries its own).
-      Each micro-batch's loss is then its piece of -J: backward() adds the pieces up, and
-      sum_gradients the ranks'. A new aggregation is a change to aggregation_weights, a new
-      per-token loss one to policy_loss.
-    - The logged loss is summed the same way; kl and the clip fractions, token means of a
-      micro-batch, are weighted by its share of the global tokens and summed over the ranks.
-      A new metric must be such a share, or it will be summed over the ranks too.
-    - Old log-probs only at μ > 1, reference log-probs only at β > 0, both before the first step.
-    - Sampling ran in eval mode, this runs in train mode: the same policy without dropout (Qwen2/3
-      and Llama configs set it to 0).
+    - Each token's weight w in J over the global batch (all micro-batches, all ranks) comes first,
+      set on the rows so that each micro-batch carries its own: a micro-batch's loss is its piece
+      of -J, backward() adds the pieces, sum_gradients the ranks'.
+    - Logged: the loss, summed likewise; kl and the clip fractions, a micro-batch's token means
+      weighted by its share of the global tokens, summed over the ranks (so must a new metric be).
+    - Old log-probs at μ > 1 and reference ones at β > 0, before the first step. The schedule
+      steps once per batch (in train), not per μ step. Train mode here, eval mode in sampling: the
+      same policy only without dropout (Qwen2/3 and Llama set it to 0; turn off a model's own).
     """
-    metrics = {}
+    metrics, grad_norms = {}, []
     rows.loss_weights, all_tokens = global_loss_weights(rows, cfg.loss_type)  # before the split
     micro = micro_batches(rows, cfg.micro_batch_size)
     shares = [m.completion_mask.sum().item() / max(all_tokens, 1) for m in micro]  # kl, clips
@@ -794,7 +805,6 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     micro = [m.to(device) for m in micro]
     logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps  # (rows_logps: below)
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
-    grad_norms = []
     with timed(metrics, "time/update"):
         with torch.no_grad():
             old, ref = None, None
@@ -805,10 +815,10 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature)
-                loss, loss_metrics = policy_loss(
+                loss, loss_metrics = policy_loss(  # at μ = 1 the old log-probs are logps.detach()
                     logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
-                    m.loss_weights, ref[j] if ref else None, beta=cfg.beta, epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high)
+                    m.loss_weights, ref[j] if ref else None, cfg.beta, cfg.epsilon,
+                    cfg.epsilon_high)
                 loss.backward()
                 totals["loss"] += loss.item() / cfg.num_iterations
                 for key, value in loss_metrics.items():  # means per token: weighted by share
@@ -876,6 +886,18 @@ def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
 
+def global_means(metrics: dict) -> dict:
+    """Each tensor in metrics -> the mean of its elements over all ranks (NaN if there are none),
+    also when ranks hold different numbers of them; other values stay. One all_reduce (sec. 7)."""
+    keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
+    sums = [metrics[key].cpu().double().sum().item() for key in keys]  # (MPS has no float64)
+    totals = all_reduce(sums + [metrics[key].numel() for key in keys])
+    means = dict(metrics)
+    for i, key in enumerate(keys):
+        count = totals[len(keys) + i]
+        means[key] = totals[i] / count if count else math.nan
+    return means
+
 def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int) -> dict:
     """One step: draw P prompts (afresh each step, from (seed, step): no epochs), sample and score
     this rank's share, update. Returns the metrics."""
@@ -889,8 +911,8 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
     rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # its own stream, per rank
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
-    metrics = global_means(metrics)  # means over all ranks, in one all-reduce (section 7)
-    if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
+    metrics = global_means(metrics)  # means over all ranks, in one all-reduce
+    if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:  # (below)
         log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
     metrics["time/step"] = time.perf_counter() - t_step  # times: this rank's (rank 0 logs)
@@ -899,13 +921,10 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
 
 def train(cfg: Config) -> dict:
     """Run GRPO (or a variant) as configured; returns the summary (rank 0; None on the others).
-
-    Each step: train_step (what a step does: sample, score, update), the schedule, a metrics line,
-    the eval when due, a checkpoint every --save-every steps and at the end. Around the loop: a
-    resume starts at its checkpoint's step; SIGTERM or Ctrl-C stops the run after the step in
-    progress and its eval (every rank agrees on the step, rank 0 saves it, then all exit). The
-    helpers it calls (setup_distributed, load_run, open_logs, save_checkpoint, signals_caught,
-    all_reduce) are plumbing, in section 7."""
+    Each step: train_step (sample, score, update), the schedule, a metrics line, the eval when due,
+    a checkpoint every --save-every steps and at the end. A resume starts at its checkpoint's step;
+    SIGTERM or Ctrl-C stop the run after the step in progress and its eval (the ranks agree on the
+    step, rank 0 saves it, all exit). The helpers called here are plumbing (section 7)."""
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
@@ -1334,18 +1353,6 @@ def all_reduce(values: list[float]) -> list[float]:
     torch.distributed.all_reduce(t)
     return t.tolist()
 
-def global_means(metrics: dict) -> dict:
-    """Each tensor in metrics -> the mean of its elements over all ranks (NaN if there are none),
-    also when ranks hold different numbers of them; other values stay. One all-reduce."""
-    keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
-    sums = [metrics[key].cpu().double().sum().item() for key in keys]  # (MPS has no float64)
-    totals = all_reduce(sums + [metrics[key].numel() for key in keys])
-    means = dict(metrics)
-    for i, key in enumerate(keys):
-        count = totals[len(keys) + i]
-        means[key] = totals[i] / count if count else math.nan
-    return means
-
 def sum_gradients(model):
     """Sum the gradients over the ranks: the loss weights are shares of the global batch."""
     if not torch.distributed.is_initialized():
@@ -1355,15 +1362,6 @@ def sum_gradients(model):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.distributed.all_reduce(p.grad)
-
-@contextlib.contextmanager
-def timed(metrics: dict, key: str):
-    """Add the block's wall seconds (once the GPU's queued work is done) to metrics[key]."""
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 def main(argv=None):
     """The command line: bad flags, files or data stop with one line that names them."""
