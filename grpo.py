@@ -66,7 +66,8 @@ from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
 # -----------------------------------------------------------------------------
-# 1. The ideas: one function per scheme, on plain tensors (copy group_advantages with ma_ or ta_).
+# 1. The ideas: one function per scheme, on plain tensors (ma_ and ta_ call group_advantages:
+# copy it with them).
 
 def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-4):
     """GRPO's advantages; rewards (groups * G,), G = group_size consecutive rewards per group.
@@ -77,11 +78,12 @@ def group_advantages(rewards, group_size: int, scale: str = "group", eps: float 
     A group whose rewards are all equal gets exactly 0: its float mean can miss r by ~1e-8, which
     divided by std + eps would be an advantage. A NaN reward marks a row that does not exist (TA's
     missing rephrasing, MA's unanswered thought): left out of its group's statistics, NaN back.
-    scale="none" on the same rewards: [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]; a group
-    [1, 0, NaN, NaN]: [0.7070, -0.7070, NaN, NaN] (the two rewards that exist, std 0.7071).
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), 4)  # mean .25, std .5
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
+
+    scale="none" on these rewards: [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]; a group
+    [1, 0, NaN, NaN]: [0.7070, -0.7070, NaN, NaN] (the two rewards that exist, std 0.7071).
     """
     r = rewards.reshape(-1, group_size)  # (groups, G)
     adv = r - r.nanmean(1, keepdim=True)
@@ -145,7 +147,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
 
     Loop-free: every pair of a group's rows compared token by token (~4·B·G·T bytes), a running
     product making "equal at t" "equal up to t". The weights scale the per-token loss (policy and
-    KL), not the normaliser: aggregation_weights(...) * lambda_weights(...).
+    KL), not the normaliser: aggregation_weights(...) * lambda_weights(...). So the loss and its
+    gradient shrink with the mean 1/|λ| as completions come to share prefixes, at the same --lr.
     """
     B, T = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
@@ -189,11 +192,14 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β KL
         loss = Σ loss_weights · per-token loss, over the mask
 
-    At μ = 1, old = logp.detach(): ρ = 1, whose gradient is ∇ logp. The two terms of the min then
-    tie; torch gives each half the gradient and the clip passes it inside its range, so
-    ∂loss/∂logp = -w A per token: the policy gradient. With aggregation_weights' dapo or grpo
-    weights (they sum to 1) the loss is a mean; λ-GRPO multiplies them by lambda_weights(ids,
-    mask, G). ε_high = ε when None, as TRL. The metrics are 0-dim tensors (token means).
+    At μ = 1, old = logp.detach(): ρ = 1 in value, with the gradient of logp. The min's two
+    terms are then equal, and torch sends half the gradient through each. clamp's gradient is 1
+    inside [1-ε, 1+ε_high], so both halves reach logp: ∂loss/∂logp = -w A per token, the policy
+    gradient.
+
+    With aggregation_weights' dapo or grpo weights (they sum to 1) the loss is a mean; λ-GRPO
+    multiplies them by lambda_weights(ids, mask, G). ε_high = ε when None, as TRL. The metrics
+    are 0-dim tensors (token means).
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -230,14 +236,14 @@ def after_thought(text: str):
         return None
     return text.split("</think>", 1)[-1]
 
-def extract_answer(text: str, reward: str = "tags"):
+def extract_answer(text: str, answer_from: str = "tags"):
     """The answer after the thought, or None: the last <answer>...</answer>, else the last
-    \\boxed{...}; with reward="last-number", the last number (GSM8K's convention), unless it is
+    \\boxed{...}; with answer_from="last-number", the last number (GSM8K's convention), unless it is
     part of an expression. (The number reader, parse_number and its helpers, is after section 6.)"""
     text = after_thought(text)
     if text is None:
         return None
-    if reward == "last-number":
+    if answer_from == "last-number":
         runs = number_runs(unwrap(text))
         return runs[-1] if runs else None
     found = ANSWER_RE.findall(text)
@@ -246,7 +252,7 @@ def extract_answer(text: str, reward: str = "tags"):
     return boxed(text)
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
-          reward: str = "tags"):
+          answer_from: str = "tags"):
     """(reward, parsed) of one completion: 1 if it finished (EOS) and its answer is the reference,
     plus format_reward if it finished as one <think>..</think> then one <answer>..</answer>.
 
@@ -254,7 +260,7 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     - Any other reference is compared as text, without whitespace or a \\boxed{} around it.
     - parsed: an answer was read (for a numeric reference, a number).
     """
-    answer = extract_answer(text, reward)
+    answer = extract_answer(text, answer_from)
     ref_num = parse_number(reference)
     answer_num = parse_number(answer) if answer is not None else None
     parsed = answer is not None and (ref_num is None or answer_num is not None)
@@ -270,7 +276,7 @@ def as_text(answer: str) -> str:
     """An answer compared as text: what a \\boxed{} around it holds, without whitespace."""
     return re.sub(r"\s", "", boxed(answer) or answer)
 
-def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", before=""):
+def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="tags", before=""):
     """(rewards, parsed, tagged), each (B,), of the Samples from generate, decoded with decode
     (section 3). Each text is read after `before` (one string, or one per row): the response
     prefix, and for a GRPO-MA answer its thought too. tagged: <answer> tags after the thought."""
@@ -278,7 +284,8 @@ def score_batch(tokenizer, samples, answers, format_reward=0.0, reward="tags", b
     before = [before] * len(texts) if isinstance(before, str) else before
     texts = [b + text for b, text in zip(before, texts)]
     finished = samples.finished.tolist()
-    scored = [score(t, a, f, format_reward, reward) for t, a, f in zip(texts, answers, finished)]
+    scored = [score(text, reference, done, format_reward, answer_from)
+              for text, reference, done in zip(texts, references, finished)]
     tagged = [ANSWER_RE.search(after_thought(t) or "") is not None for t in texts]
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
     parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
@@ -364,7 +371,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
       string (stop_string_hits, below); ended rows leave the batch.
     - Only the temperature shapes the draw: no top-k, no top-p, nothing of the generation config.
     - Eval mode: no dropout, and HF's gradient checkpointing would drop the cache.
-    - Non-finite logits (a diverged policy) stop the run with one line (UserError, section 7).
+    - Non-finite logits at the first token (a diverged policy) stop the run: UserError (sec. 7).
     """
     was_training = model.training
     model.eval()
@@ -445,7 +452,8 @@ class Config:
     model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
     data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
     test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
-    system_prompt: str = _opt(SYSTEM_PROMPT, "system message of every prompt ('' for none)")
+    system_prompt: str = _opt(SYSTEM_PROMPT, "system message ('': none; a chat template may then "
+                              "add its own default)")
     response_prefix: str = _opt("", "text the reply starts with, after the generation prompt (e.g. "
                                 "<think>): part of the prompt, never sampled or trained")
     variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
@@ -461,7 +469,7 @@ class Config:
     ma_weighting: str = _opt("parts", "(ma) parts: a mean over the thoughts plus one over the "
                              "answers; tokens: one mean over both", ["parts", "tokens"])
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step")
-    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper's v5) or the "
+    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper) or the "
                           "rephrasing (public code)", ["original", "rephrased"])
     # loss and optimisation
     loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
@@ -470,8 +478,8 @@ class Config:
     epsilon: float = _opt(0.2, "clip range of the ratio (the upper too, unless --epsilon-high)")
     epsilon_high: float | None = _opt(None, "upper clip range (default: --epsilon; DAPO: 0.28)")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
-    reward: str = _opt("tags", "the answer is in <answer> tags (or \\boxed), or the last number",
-                       ["tags", "last-number"])
+    answer_from: str = _opt("tags", "where the answer is read: the last <answer> tags (else the "
+                            "last \\boxed), or the last number", ["tags", "last-number"])
     format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>")
     lr: float = _opt(2e-4, "AdamW learning rate (tiny model; use ~1e-6 for real models)")
     warmup_steps: int = _opt(10, "linear warmup over training steps, then constant")
@@ -551,7 +559,8 @@ class Rows:
         return Rows(**picked)
 
 # To write a rollout (rollout_grpo is the one to copy): it takes the model, tokenizer, config, this
-# rank's examples and an rng (TA's draws), makes no distributed call, and returns (Rows, metrics):
+# rank's examples (so P in a rollout is this rank's prompts) and an rng (TA's draws), makes no
+# distributed call, and returns (Rows, metrics):
 #   1. prompts = [prompt_ids(...)]; samples = generate(...) inside timed(metrics, "time/sample")
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
 #   3. Rows: prompt_index for each row, parent -1 (or a thought row, for an answer), part_limits
@@ -586,9 +595,9 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
-    answers = [ex["answer"] for ex in batch for _ in range(G)]
-    rewards, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
-                                          cfg.response_prefix)
+    references = [ex["answer"] for ex in batch for _ in range(G)]
+    rewards, parsed, tagged = score_batch(tokenizer, s, references, cfg.format_reward,
+                                          cfg.answer_from, cfg.response_prefix)
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
     inv_lambda = lambda_weights(ids, mask, G)
     on = mask.bool()
@@ -628,10 +637,10 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
         contexts = [prompts[r // K] + th_ids[r][th_mask[r].bool()].tolist() for r in closed_rows]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     parents = [r for r in closed_rows for _ in range(M)]  # each answer's thought row
-    answers = [batch[r // K]["answer"] for r in parents]
+    references = [batch[r // K]["answer"] for r in parents]
     before = [cfg.response_prefix + thought_texts[r] for r in parents]
-    answer_rewards, parsed, tagged = score_batch(tokenizer, ans, answers, cfg.format_reward,
-                                                 cfg.reward, before)
+    answer_rewards, parsed, tagged = score_batch(tokenizer, ans, references, cfg.format_reward,
+                                                 cfg.answer_from, before)
     rewards = torch.full((P * K, M), math.nan)  # an unclosed thought's answers do not exist
     rewards[closed] = answer_rewards.view(-1, M)
     thought_adv, answer_adv, values = ma_advantages(rewards.view(P, K, M), cfg.scale_rewards)
@@ -656,11 +665,11 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
 def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     """TA-GRPO (ta_advantages): each question q0 with n <= N of its rephrasings (drawn afresh each
     step), G responses to each, advantages normalised over the question's (n+1)·G responses.
-    --ta-anchor original (the paper's arXiv v5) takes every log-prob as log π(o | q0): at μ = 1
-    the ratio is 1 either way, but the gradient is ∇ log π(o | q0) (at μ > 1, π_old(o | q0) too:
-    a ratio of the anchored policy, not an importance weight of the sampling one); `rephrased`
-    keeps the prompt that produced the response (the public code). Rows for P = 1, N = 2, G = 2,
-    one rephrasing drawn:
+    --ta-anchor original, the objective of the paper's fifth arXiv version, takes every log-prob
+    as log π(o | q0), also for an o sampled after a rephrasing: it trains π(· | q0) on responses
+    that π(· | q_j) wrote. At μ = 1 the ratio is 1 either way; at μ > 1 it is π/π_old, both
+    given q0. `rephrased` keeps the prompt that produced the response (the public code).
+    Rows for P = 1, N = 2, G = 2, one rephrasing drawn:
 
         row  phrasing  prompt_index (original / rephrased)  its (p, j, g) in rewards
         0    q0        0 / 0                                 [0, 0, 0]
@@ -682,8 +691,8 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
     p_idx, j_idx, g_idx = torch.tensor(slots).T
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    answers = [batch[p]["answer"] for p in p_idx.tolist()]
-    r, parsed, tagged = score_batch(tokenizer, s, answers, cfg.format_reward, cfg.reward,
+    references = [batch[p]["answer"] for p in p_idx.tolist()]
+    r, parsed, tagged = score_batch(tokenizer, s, references, cfg.format_reward, cfg.answer_from,
                                     cfg.response_prefix)
     rewards = torch.full((len(batch), N + 1, G), math.nan)  # (P, N+1, G)
     rewards[p_idx, j_idx, g_idx] = r
@@ -706,9 +715,16 @@ def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # -----------------------------------------------------------------------------
-# 5. Log-probs and the update.
+# 5. Log-probs and the update. update() takes a rollout's Rows through, whichever variant made
+# them. Shapes for grpo with P = 2 prompts, G = 4: B = 8 rows, C = the longest completion.
+#
+#   Rows: 2 prompts, prompt_index (8,), completion_ids (8, C), advantages (8,)
+#     -> global_loss_weights: w (8, C), each token's weight in J over every rank's rows
+#     -> micro_batches: groups of rows (a GRPO-MA thought stays with its answers)
+#     -> per micro-batch of b rows: rows_logps (b, C) -> policy_loss -> backward
+#     -> sum_gradients over the ranks, clip the norm, optimizer.step; μ times
 
-def flat_logps(model, rows: Rows, temperature: float):
+def plain_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
     before it, the plain way: one forward pass per row over context + completion. The definition
     (rows_logps, below update, is the fast way to the same numbers); it serves
@@ -760,7 +776,8 @@ def global_loss_weights(rows: Rows, loss_type: str):
 
     - Each loss part (rows.part: one, or GRPO-MA's thoughts and answers) is aggregated on its own
       (aggregation_weights with the part's global counts and length limit), so under dapo and
-      grpo each part's weights sum to 1 and J is a sum of one mean per part.
+      grpo each part's weights sum to 1 and J is a sum of one mean per part: GRPO-MA's parts
+      give about twice the gradient of one mean at the same --lr.
     - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
       1 / (all answer tokens); pooled (--ma-weighting tokens), when every thought closed with Lt
       tokens and every answer has La, the thoughts get Lt / (Lt + M La) of J.
@@ -791,8 +808,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     - Each token's weight w in J over the global batch (all micro-batches, all ranks) comes first,
       set on the rows so that each micro-batch carries its own: a micro-batch's loss is its piece
       of -J, backward() adds the pieces, sum_gradients the ranks'.
-    - Logged: the loss, summed likewise; kl and the clip fractions, a micro-batch's token means
-      weighted by its share of the global tokens, summed over the ranks (so must a new metric be).
+    - Logged: the loss, summed likewise. A token mean (kl, the clip fractions; a new one too) is
+      weighted by its micro-batch's share of the global tokens, shares[j], and summed over ranks.
     - Old log-probs at μ > 1 and reference ones at β > 0, before the first step. The schedule
       steps once per batch (in train), not per μ step. Train mode here, eval mode in sampling: the
       same policy only without dropout (Qwen2/3 and Llama set it to 0; turn off a model's own).
@@ -801,9 +818,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     rows.loss_weights, all_tokens = global_loss_weights(rows, cfg.loss_type)  # before the split
     micro = micro_batches(rows, cfg.micro_batch_size)
     shares = [m.completion_mask.sum().item() / max(all_tokens, 1) for m in micro]  # kl, clips
-    device = next(model.parameters()).device
-    micro = [m.to(device) for m in micro]
-    logps_of = flat_logps if cfg.gradient_checkpointing else rows_logps  # (rows_logps: below)
+    micro = [m.to(next(model.parameters()).device) for m in micro]
+    # rows_logps (below) shares contexts; plain_logps: the same numbers, plainly (swap to check)
+    logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else []), 0.0)
     with timed(metrics, "time/update"):
         with torch.no_grad():
@@ -837,7 +854,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     return metrics
 
 def rows_logps(model, rows: Rows, temperature: float):
-    """flat_logps' numbers, each shared context encoded once: a prompt's KV cache is copied to its
+    """plain_logps' numbers, each shared context encoded once: a prompt's KV cache is copied to its
     rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
 
     The one-token shift: a context's cache holds all its tokens but the last, which is the next
@@ -851,7 +868,7 @@ def rows_logps(model, rows: Rows, temperature: float):
 
     A row shorter than its pass leaves padding inside the cache, masked (positions count real
     tokens only). `pytest test_grpo.py -k shared_prefix` checks values and gradients against
-    flat_logps for every variant."""
+    plain_logps for every variant."""
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
@@ -875,8 +892,9 @@ def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
     inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-    # a mask is a run of 1s from column 0, so inputs[:, t] is real exactly where target t is: the
-    # cache then holds all but each row's last token, its children's first input (Prefix.last)
+    # inputs[:, t] is real exactly where target t is (a mask is 1s from column 0). The cache
+    # takes every input, so it ends one token short of each row: that last token is what a
+    # child row's pass feeds first (Prefix.last)
     attn = torch.cat([ctx.mask, target_mask], 1)
     hidden = run_decoder(model, inputs, attn, ctx.cache)
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
@@ -900,7 +918,7 @@ def global_means(metrics: dict) -> dict:
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int) -> dict:
     """One step: draw P prompts (afresh each step, from (seed, step): no epochs), sample and score
-    this rank's share, update. Returns the metrics."""
+    this rank's share, update. Returns the metrics. step counts from 0 (logged as step + 1)."""
     t_step = time.perf_counter()
     rank, W = rank_and_world()  # (section 7: (0, 1) without torchrun)
     # data and sampling depend on (seed, step) only, so a resumed run continues the same stream
@@ -988,13 +1006,13 @@ def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
         chunk = examples[start:start + size]
         prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                    for ex in chunk]
-        answers = [ex["answer"] for ex in chunk]
+        references = [ex["answer"] for ex in chunk]
         s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        scored = score_batch(tokenizer, s, answers, 0.0, cfg.reward, cfg.response_prefix)
+        scored = score_batch(tokenizer, s, references, 0.0, cfg.answer_from, cfg.response_prefix)
         greedy += scored[0].sum().item()
         s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards, _, tags = score_batch(tokenizer, s, [a for a in answers for _ in range(n)], 0.0,
-                                       cfg.reward, cfg.response_prefix)
+        rewards, _, tags = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
+                                       0.0, cfg.answer_from, cfg.response_prefix)
         tagged += tags.sum().item()
         for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
             for k in range(1, n + 1):
@@ -1089,8 +1107,8 @@ def parse_number(text: str):
     - None for two numbers ('7 or 8', '\\boxed{3} or \\boxed{5}', '2\\frac{1}{3}'), a malformed
       one ('3,5', '1, 2', '0,005'), and an expression: an operator, bracket or LaTeX command
       beside it ('x+5', '- 5', 'y = x + 3', '\\sqrt{2}', '3 \\pi', '±5'), or a letter or ! that
-      touches it ('2i', 'v2', '4!'). score then compares such an answer with the reference as
-      text. Words are not read: '5 thousand' is 5.
+      touches it ('2i', 'v2', '4!'). score then counts such an answer wrong against a numeric
+      reference, and compares it as text with any other. Words are not read: '5 thousand' is 5.
     """
     text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
     runs = number_runs(text)

@@ -247,7 +247,7 @@ def test_an_answer_around_a_number_is_not_that_number(answer, reference):
 def test_a_number_inside_an_expression_is_not_that_number(first, second):
     for answer, reference in ((first, second), (second, first)):
         assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True)[0] == 0.0
-        assert grpo.score(f"so {answer}", reference, True, reward="last-number")[0] == 0.0
+        assert grpo.score(f"so {answer}", reference, True, answer_from="last-number")[0] == 0.0
 
 
 @pytest.mark.parametrize("answer,reference,reward", GRADER_CASES)
@@ -265,7 +265,7 @@ def test_score_reads_answers_as_graders_do(answer, reference, reward):
     ("so \\boxed{8}", 1.0, True), ("$\\frac{16}{2}$.", 1.0, True),
 ])
 def test_score_last_number_mode(text, reward, parsed):
-    assert grpo.score(text, "8", True, reward="last-number") == (reward, parsed)
+    assert grpo.score(text, "8", True, answer_from="last-number") == (reward, parsed)
 
 
 def test_score_batch_reports_who_wrote_the_tags(tiny):
@@ -276,10 +276,10 @@ def test_score_batch_reports_who_wrote_the_tags(tiny):
     samples = grpo.Samples(torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids]),
                            torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
                            torch.ones(4, dtype=torch.bool))
-    for reward, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
-        rewards, parsed, tagged = grpo.score_batch(tok, samples, ["8"] * 4, reward=reward)
+    for answer_from, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
+        rewards, parsed, tagged = grpo.score_batch(tok, samples, ["8"] * 4, answer_from=answer_from)
         assert rewards.tolist() == expected
-        assert parsed.tolist() == [True, reward == "last-number", True, False]  # the last: inside the thought
+        assert parsed.tolist() == [True, answer_from == "last-number", True, False]  # the last: inside the thought
         assert tagged.tolist() == [True, False, True, False]
 
 
@@ -514,7 +514,7 @@ def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, varia
         assert (rows.parent >= 0).any()
     weights = torch.randn(rows.completion_ids.shape, generator=torch.Generator().manual_seed(0))
     results = []
-    for logps_of in (grpo.rows_logps, grpo.flat_logps):
+    for logps_of in (grpo.rows_logps, grpo.plain_logps):
         model.zero_grad()
         logps = logps_of(model, rows, 0.7)
         (logps * weights).sum().backward()
@@ -544,12 +544,12 @@ def test_a_copied_context_sums_its_gradients_through_index_select():
     assert keys.grad.flatten().tolist() == [11.0, 4.0] and values.grad.flatten().tolist() == [11.0, 4.0]
 
 
-def test_flat_logps_are_the_log_softmax_of_logits_over_temperature(tiny):
+def test_plain_logps_are_the_log_softmax_of_logits_over_temperature(tiny):
     """The row-by-row pass against the plainest computation: the full model's logits, log_softmax, gather."""
     model, tok = tiny
     rows = rollout_rows("ma", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
     with torch.no_grad():
-        logps = grpo.flat_logps(model, rows, 0.7)
+        logps = grpo.plain_logps(model, rows, 0.7)
         for i in range(len(rows)):
             context, n = rows.context(i), int(rows.completion_mask[i].sum())
             completion = rows.completion_ids[i, :n]
@@ -828,7 +828,7 @@ def test_second_pass_of_a_reused_batch_takes_the_ratio_to_the_old_policy(tiny):
     after_one = copy.deepcopy(model)
     grpo.update(after_one, None, sgd(after_one), rows, config(1))
     with torch.no_grad():
-        ratio = (grpo.flat_logps(after_one, rows, 1.0) - grpo.flat_logps(model, rows, 1.0)).exp()
+        ratio = (grpo.plain_logps(after_one, rows, 1.0) - grpo.plain_logps(model, rows, 1.0)).exp()
     on, A = rows.completion_mask.bool(), rows.advantages[:, None].expand(ratio.shape)
     low = ((ratio < 0.9) & (A < 0))[on].float().mean().item()
     high = ((ratio > 1.1) & (A > 0))[on].float().mean().item()
@@ -2011,7 +2011,7 @@ def test_real_model_logps_equal_hf_forward_on_three_levels_and_on_a_grpo_batch(s
     plain = make_rows(prompts, s.completion_ids, s.completion_mask, prompt_index=torch.arange(2).repeat_interleave(3))
     for rows in (ma, plain):
         reference = hf_logps(model, rows, 0.7)
-        for logps_of in (grpo.rows_logps, grpo.flat_logps):
+        for logps_of in (grpo.rows_logps, grpo.plain_logps):
             logps = logps_of(model, rows, 0.7)
             assert (logps - reference).abs().max() <= 1e-4, logps_of.__name__
             assert (logps[rows.completion_mask == 0] == 0).all()
@@ -2023,7 +2023,7 @@ def test_grpo_ma_trains_the_real_model_after_a_response_prefix(smollm2, tmp_path
     rows have non-zero advantages: a gradient), and the answers' reward rises against the first step."""
     sums = smollm2 / "sums"
     grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
-               str(sums / "test.jsonl"), "--variant", "ma", "--response-prefix", "<think>", "--reward", "last-number",
+               str(sums / "test.jsonl"), "--variant", "ma", "--response-prefix", "<think>", "--answer-from", "last-number",
                "--prompts-per-step", "4", "--num-thoughts", "4", "--num-answers", "2", "--max-new-tokens", "32",
                "--max-answer-tokens", "16", "--temperature", "0.7", "--lr", "3e-5", "--warmup-steps", "0",
                "--steps", "6", "--eval-limit", "1", "--eval-samples", "1", "--out", str(tmp_path)])
@@ -2041,7 +2041,7 @@ def test_grpo_trains_the_real_model(smollm2, tmp_path):
     The model learns to finish with the sum instead of explaining past the length limit."""
     sums = smollm2 / "sums"
     summary = grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
-                         str(sums / "test.jsonl"), "--system-prompt", "", "--reward", "last-number",
+                         str(sums / "test.jsonl"), "--system-prompt", "", "--answer-from", "last-number",
                          "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "24", "--lr", "5e-5",
                          "--warmup-steps", "0", "--steps", "4", "--eval-every", "0", "--eval-samples", "4",
                          "--out", str(tmp_path)])
@@ -2310,7 +2310,7 @@ def test_bench_against_trl_on_the_real_model(tmp_path, smollm2):
     that both sample the starting policy throughout (completions shorten fast as it learns)."""
     model, tok = grpo.load_model(str(smollm2 / "model"), torch.device("cpu"))
     cfg = grpo.Config(prompts_per_step=4, num_generations=8, max_new_tokens=32, lr=1e-12, warmup_steps=0,
-                      micro_batch_size=32, system_prompt="", reward="last-number")
+                      micro_batch_size=32, system_prompt="", answer_from="last-number")
     train = grpo.load_jsonl(smollm2 / "sums" / "train.jsonl")
     trl_against_ours(tmp_path, model, tok, cfg, train, 4, 2, "SmolLM2-135M-Instruct")
 
