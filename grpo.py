@@ -1,7 +1,7 @@
 """
 grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
-    python grpo.py                     # GRPO on the tiny model in data/ (CPU, offline, ~45 s)
+    python grpo.py                     # GRPO on the tiny model in data/ (CPU, offline, ~40 s)
     python grpo.py --variant ma        # or lambda, ta
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --test-data test.jsonl \\
         --max-new-tokens 512 --lr 1e-6          # one GPU, bf16 autocast
@@ -22,7 +22,8 @@ The variants change the advantages A, the weights w and, for ma and ta, the cont
     lambda  w_it / |λ(i,t)|, λ(i,t) the completions of the group whose first t+1 tokens are
             o_i's                                                   (λ-GRPO, 2509.21154)
     ma      K thoughts per prompt, M answers per thought; a thought's A from the mean reward of
-            its answers, normalised over the K; an answer's over all K·M     (GRPO-MA, 2509.24494)
+            its answers, normalised over the K; an answer's over all K·M; w per part (thoughts,
+            answers)                                                 (GRPO-MA, 2509.24494)
     ta      q0 and N rephrasings, G samples each, A normalised over all (N+1)·G; ρ and ∇ log π
             taken as answers to q0                                   (TA-GRPO, 2601.22478)
 
@@ -154,7 +155,7 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
     mask = completion_mask.reshape(-1, group_size, T).bool()
     same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T)
-    counts = same.to(torch.uint8).cumprod(-1).sum(2, dtype=torch.int32)  # |λ(i,t)|, (groups, G, T)
+    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)  # |λ|, (groups, G, T)
     return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, T)
 
 # The loss: TRL's aggregations as per-token weights, then the clipped ratio and the k3 KL.
@@ -165,7 +166,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
         dapo     1 / (all tokens)                     one token mean over the batch
         grpo     1 / (rows · |o_i|)                   a mean over rows of each row's token mean
-        dr_grpo  1 / (rows · max_completion_length)   a constant (arXiv 2503.20783)
+        dr_grpo  1 / (rows · max_completion_length)   a constant (arXiv 2503.20783; Dr. GRPO
+                                                      also drops the std: scale="none")
 
     Rows of 2 and 4 tokens: dapo 1/6 each; grpo [1/4, 1/4], [1/8] * 4; dr_grpo (limit 8) 1/16.
     To weigh a piece of a batch (a micro-batch, a rank), pass the whole batch's num_rows (grpo,
@@ -320,7 +322,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     return out.last_hidden_state
 
 @dataclass
-class Prefix:
+class CachedContext:
     """Contexts ready to be continued: the KV cache of all their tokens but the last, and that last
     token, which the next forward pass takes as input (its output predicts the first new token)."""
     cache: object        # a DynamicCache: per layer keys and values, (B, heads, L, head_dim)
@@ -345,7 +347,7 @@ def left_pad(seqs: list[list[int]], pad_id: int):
         mask[i, L - len(s):] = 1
     return ids, mask
 
-def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
+def prefill(model, prompts: list[list[int]], pad_id: int) -> CachedContext:
     """Encode each prompt (token ids) once, left-padded; with gradients if they are enabled."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
@@ -353,7 +355,7 @@ def prefill(model, prompts: list[list[int]], pad_id: int) -> Prefix:
     cache = DynamicCache()
     if ids.shape[1] > 1:
         run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
-    return Prefix(cache, mask[:, :-1], ids[:, -1])
+    return CachedContext(cache, mask[:, :-1], ids[:, -1])
 
 @dataclass
 class Samples:
@@ -376,16 +378,16 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    prefix = prefill(model, prompts, tokenizer.pad_token_id)
-    prefix.reorder(torch.arange(len(prompts), device=device).repeat_interleave(n))  # n rows each
+    ctx = prefill(model, prompts, tokenizer.pad_token_id)
+    ctx.reorder(torch.arange(len(prompts), device=device).repeat_interleave(n))  # n rows each
     eos = torch.tensor(eos_ids(model, tokenizer), device=device)
-    B = len(prefix.last)
+    B = len(ctx.last)
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     texts = [""] * B  # each row's text so far, for stop strings
     active = torch.arange(B, device=device)  # the rows still being decoded
-    cache, mask, token = prefix.cache, prefix.mask, prefix.last
+    cache, mask, token = ctx.cache, ctx.mask, ctx.last
     for t in range(max_new_tokens):
         if not len(active):  # every row has ended (or there were none)
             break
@@ -472,7 +474,8 @@ class Config:
     ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper) or the "
                           "rephrasing (public code)", ["original", "rephrased"])
     # loss and optimisation
-    loss_type: str = _opt("dapo", "token aggregation, as TRL", ["grpo", "dr_grpo", "dapo"])
+    loss_type: str = _opt("dapo", "token aggregation, as TRL (the default is DAPO's; "
+                          "DeepSeekMath's is grpo)", ["grpo", "dr_grpo", "dapo"])
     scale_rewards: str = _opt("group", "divide by the std (none: Dr. GRPO)", ["group", "none"])
     beta: float = _opt(0.0, "k3 KL coefficient (a reference model is loaded only when > 0)")
     epsilon: float = _opt(0.2, "clip range of the ratio (the upper too, unless --epsilon-high)")
@@ -565,7 +568,8 @@ class Rows:
 #   2. rewards = score_batch(...); advantages from a scheme of section 1, finite for every row
 #   3. Rows: prompt_index for each row, parent -1 (or a thought row, for an answer), part_limits
 #      (and part, for more than one loss part)
-#   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means)
+#   4. metrics: tensors, logged as the mean of their elements over all ranks (global_means,
+#      section 6), with the same keys on every rank (one all_reduce carries them all)
 #   5. an entry in ROLLOUTS and a --variant choice in Config
 
 @contextlib.contextmanager
@@ -716,7 +720,8 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 
 # -----------------------------------------------------------------------------
 # 5. Log-probs and the update. update() takes a rollout's Rows through, whichever variant made
-# them. Shapes for grpo with P = 2 prompts, G = 4: B = 8 rows, C = the longest completion.
+# them. Shapes for grpo with P = 2 prompts, G = 4: B = 8 rows, C = the longest completion. A first
+# read needs only plain_logps: rows_logps gives the same numbers faster, sharing contexts.
 #
 #   Rows: 2 prompts, prompt_index (8,), completion_ids (8, C), advantages (8,)
 #     -> global_loss_weights: w (8, C), each token's weight in J over every rank's rows
@@ -872,10 +877,10 @@ def rows_logps(model, rows: Rows, temperature: float):
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
-    prefix = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
+    ctx = prefill(model, rows.prompts, 0)  # each distinct prompt encoded once
     top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
-    prefix.reorder(rows.prompt_index[top])  # one context per top row
-    after_top = continue_rows(model, prefix, rows, top, logps, temperature)
+    ctx.reorder(rows.prompt_index[top])  # one context per top row
+    after_top = continue_rows(model, ctx, rows, top, logps, temperature)
     children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
     if len(children):
         slot = torch.full((B,), -1, dtype=torch.long, device=device)
@@ -885,21 +890,22 @@ def rows_logps(model, rows: Rows, temperature: float):
         continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
 
-def continue_rows(model, ctx: Prefix, rows: Rows, idx, logps, temperature: float) -> Prefix:
+def continue_rows(model, ctx: CachedContext, rows: Rows, idx, logps,
+                  temperature: float) -> CachedContext:
     """rows_logps' pass: write into logps the log-probs of rows idx, each after its context in ctx,
     and return the contexts that end with those rows, ready for their children (ctx's cache grows
-    in place: it is the returned Prefix's)."""
+    in place: it is the returned CachedContext's)."""
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
     inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
     # inputs[:, t] is real exactly where target t is (a mask is 1s from column 0). The cache
     # takes every input, so it ends one token short of each row: that last token is what a
-    # child row's pass feeds first (Prefix.last)
+    # child row's pass feeds first (CachedContext.last)
     attn = torch.cat([ctx.mask, target_mask], 1)
     hidden = run_decoder(model, inputs, attn, ctx.cache)
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
     last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
-    return Prefix(ctx.cache, attn, last)
+    return CachedContext(ctx.cache, attn, last)
 
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.

@@ -527,14 +527,14 @@ def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, varia
 
 
 def test_a_copied_context_sums_its_gradients_through_index_select():
-    """Prefix.reorder copies a context to its continuations with index_select, whose CPU backward sums the
+    """CachedContext.reorder copies a context to its continuations with index_select, whose CPU backward sums the
     copies' gradients in a fixed order (x[index]'s is documented nondeterministic; with it seeded runs drifted
     apart in the last bit between processes). Worked numbers: rows [0, 0, 1, 0] weighted 1, 2, 4, 8 give row 0
     the gradient 1 + 2 + 8 = 11 and row 1 the gradient 4."""
     keys = torch.ones(2, 1, 1, 1, requires_grad=True)
     values = torch.ones(2, 1, 1, 1, requires_grad=True)
     cache = transformers.DynamicCache(ddp_cache_data=[(keys, values)])
-    prefix = grpo.Prefix(cache, torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
+    prefix = grpo.CachedContext(cache, torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
     prefix.reorder(torch.tensor([0, 0, 1, 0]))
     assert prefix.last.tolist() == [5, 5, 6, 5]
     copied_keys, copied_values = prefix.cache.layers[0].keys, prefix.cache.layers[0].values
