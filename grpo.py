@@ -19,8 +19,8 @@ advantages A, and takes a gradient step on the loss -J, where (ε_high = ε unle
 The variants change the advantages A, the weights w and, for ma and ta, the contexts c_i:
 
     grpo    A_i = r_i normalised within its group of G completions     (DeepSeekMath, 2402.03300)
-    lambda  w_it / |λ(i,t)|, λ(i,t) the completions of the group whose first t+1 tokens are
-            o_i's                                                   (λ-GRPO, 2509.21154)
+    lambda  w_it / |λ(i,t)|, λ(i,t) the completions of the group that agree with o_i up to and
+            including its token t                                   (λ-GRPO, 2509.21154)
     ma      K thoughts per prompt, M answers per thought; a thought's A from the mean reward of
             its answers, normalised over the K; an answer's over all K·M; w per part (thoughts,
             answers)                                                 (GRPO-MA, 2509.24494)
@@ -136,8 +136,9 @@ def ta_advantages(rewards, scale: str = "group", eps: float = 1e-4):
 def lambda_weights(completion_ids, completion_mask, group_size: int):
     """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask. completion_ids and its mask
     (B, T): groups of group_size consecutive rows, each right-padded (its mask 1s from column 0).
-    |λ(i,t)| counts the completions of i's group (i itself and exact duplicates included) whose
-    first t+1 tokens are i's, so a shared prefix is trained once. One group of group_size = 6:
+    |λ(i,t)| counts the completions of i's group (i itself and exact duplicates included) that
+    agree with i up to and including its token t (t from 0), so a shared prefix is trained once.
+    One group of group_size = 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -148,8 +149,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
 
     Loop-free: every pair of a group's rows compared token by token (~4·B·G·T bytes), a running
     product making "equal at t" "equal up to t". The weights scale the per-token loss (policy and
-    KL), not the normaliser: aggregation_weights(...) * lambda_weights(...). So the loss and its
-    gradient shrink with the mean 1/|λ| as completions come to share prefixes, at the same --lr.
+    KL), not the normaliser: aggregation_weights(...) * lambda_weights(...). So shared tokens
+    weigh less than the others; the loss's overall scale shrinks too, which Adam mostly cancels.
     """
     B, T = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
@@ -515,7 +516,8 @@ class Rows:
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS / stop
     advantages: torch.Tensor       # (B,), or (B, C) per token (no rollout here needs it); finite
-    part_limits: list = field(default_factory=list)  # one per loss part: its length limit (dr_grpo)
+    part_limits: list = field(default_factory=list)  # one per loss part: its length limit (the
+    # number of parts is this list's length; the limits matter to dr_grpo only)
     part: torch.Tensor | None = None  # (B,) each row's loss part: an index into part_limits
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|: scales the per-token loss
     rewards: torch.Tensor | None = None  # (B,) shown by log_group (an MA thought: its value)
@@ -781,8 +783,8 @@ def global_loss_weights(rows: Rows, loss_type: str):
 
     - Each loss part (rows.part: one, or GRPO-MA's thoughts and answers) is aggregated on its own
       (aggregation_weights with the part's global counts and length limit), so under dapo and
-      grpo each part's weights sum to 1 and J is a sum of one mean per part: GRPO-MA's parts
-      give about twice the gradient of one mean at the same --lr.
+      grpo each part's weights sum to 1 and J is a sum of one mean per part: GRPO-MA's thoughts
+      weigh as much as its answers (Adam mostly cancels the doubled scale).
     - GRPO-MA under dapo: a thought token weighs 1 / (all thought tokens), an answer token
       1 / (all answer tokens); pooled (--ma-weighting tokens), when every thought closed with Lt
       tokens and every answer has La, the thoughts get Lt / (Lt + M La) of J.
@@ -813,8 +815,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
     - Each token's weight w in J over the global batch (all micro-batches, all ranks) comes first,
       set on the rows so that each micro-batch carries its own: a micro-batch's loss is its piece
       of -J, backward() adds the pieces, sum_gradients the ranks'.
-    - Logged: the loss, summed likewise. A token mean (kl, the clip fractions; a new one too) is
-      weighted by its micro-batch's share of the global tokens, shares[j], and summed over ranks.
+    - Logged: the loss, summed likewise. policy_loss's metrics (kl, the clips, any one added) are
+      token means: each weighted by shares[j], its micro-batch's share of the global tokens.
     - Old log-probs at μ > 1 and reference ones at β > 0, before the first step. The schedule
       steps once per batch (in train), not per μ step. Train mode here, eval mode in sampling: the
       same policy only without dropout (Qwen2/3 and Llama set it to 0; turn off a model's own).
@@ -988,9 +990,9 @@ def train(cfg: Config) -> dict:
                 if main_rank:  # (nothing to write when this step was just saved)
                     save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
                 all_reduce([0])  # no rank exits before the save: torchrun would stop rank 0 too
-                sys.exit(f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
-                         f"saved in {out / f'checkpoint-{done}'}; continue with --resume"
-                         if main_rank else 1)
+                message = (f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
+                           f"saved in {out / f'checkpoint-{done}'}; continue with --resume")
+                sys.exit(message if main_rank else 1)  # rank 0 prints it; the others exit 1
     return report(cfg, time.time() - t0) if main_rank else None
 
 @torch.no_grad()
