@@ -6,7 +6,6 @@ grpo.py: GRPO and three recent variants of it, in one file to read top to bottom
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --test-data test.jsonl \\
         --max-new-tokens 512 --lr 1e-6          # one GPU, bf16 autocast
     torchrun --nproc_per_node=8 grpo.py ...     # data parallel: each rank samples its share
-    python grpo.py --resume ...        # one command starts a run, continues it, or finds it done
 
 One GRPO step, as train_step and update run it:
 
@@ -36,14 +35,11 @@ The variants change the advantages A, the weights w and the contexts:
     ta      q0 and N rephrasings of it, G samples each; A over    TA-GRPO, arXiv 2601.22478
             all (N+1)·G; every log-prob is taken given q0
 
-What the file simplifies:
-- The sampler is a short KV-cache loop of its own, not vLLM. One process samples and trains.
-- The reward reads one number, or compares text. --answer-from math-verify is the symbolic grader.
-- There is no LoRA: the reference is a full copy of the starting policy.
-- GRPO-MA's unclosed thoughts get no answers and value 0. The paper publishes no weighting of its
-  thoughts against its answers: the two parts are our reading.
-- TA-GRPO's rephrasings come from the data file.
-- The learning rate warms up, then stays constant.
+What the file simplifies: the sampler is a short KV-cache loop, not vLLM, and one process samples
+and trains. The reward reads one number or compares text; --answer-from math-verify grades LaTeX.
+There is no LoRA: the reference is a full copy. GRPO-MA's unclosed thoughts get no answers and
+value 0; its two loss parts are our reading, since the paper publishes no weighting. TA-GRPO's
+rephrasings come from the data file. The learning rate warms up, then stays constant.
 
 Part I is the algorithm, complete for every variant: 1 the schemes and the loss, 2 the reward,
 3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the loop and the
@@ -51,19 +47,10 @@ eval. Part II is the machinery that makes the same computation fast, scalable an
 Part I calls a piece of Part II, a comment says what it does.
 """
 
-import contextlib
-import datetime
-import importlib.util
-import json
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import threading
-import time
+from __future__ import annotations
+
+import contextlib, datetime, importlib.util, json, math, os, random, re, shutil, signal, sys
+import threading, time
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -92,10 +79,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    Details:
-    - A group whose rewards are all equal gets exactly 0, as the second group above.
-      Its float mean can miss r by ~1e-8, which divided by std + eps would be an advantage.
-    - A group of one row has no std: its advantage is 0.
+    A group whose rewards are all equal gets exactly 0, as the second one here. Its float mean
+    can miss r by ~1e-8, which divided by std + eps would be an advantage. A group of one gets 0.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n
@@ -110,29 +95,28 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     return torch.where(high[groups] == low[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA's advantages, of the thoughts and of their answers.
+    """GRPO-MA's advantages of the thoughts and of their answers.
 
-        V(th)   = the mean reward of th's answers
+        V(th)   = the mean reward of th's answers; 0 for a thought without answers
         A(th)   = V(th) normalised over the K thoughts of its prompt
         A(ans)  = r(ans) normalised over all K·M answers of its prompt, not per thought
 
-    rewards (A,) are the answers'; answer_thought (A,) is each answer's thought; thought_prompt (T,)
-    is each thought's prompt. Returns (A(th) (T,), A(ans) (A,), V (T,)). One prompt, K = 2, M = 2:
+    rewards (A,) are the answers'. answer_thought (A,) is each answer's thought, and
+    thought_prompt (T,) each thought's prompt. Returns (A(th) (T,), A(ans) (A,), V (T,)).
 
         prompt -+- thought 0 -+- answer 0  r = 1     V = 1      A(th) =  0.7069
                 |             +- answer 1  r = 1
                 +- thought 1 -+- answer 2  r = 1     V = 0.5    A(th) = -0.7069
                               +- answer 3  r = 0
 
-    >>> ma_advantages(torch.tensor([1., 1., 1., 0.]), torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0]))
-    (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]), tensor([1.0000, 0.5000]))
+    >>> th, ans, V = ma_advantages(torch.tensor([1., 1., 1., 0.]), torch.tensor([0, 0, 1, 1]),
+    ...                            torch.tensor([0, 0]))
+    >>> th, ans
+    (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    A thought that never closed has no answers: its value is 0.
-    To copy GRPO-MA, three pieces go together:
-    - a thought's tokens are trained with A(th), and each answer's tokens with A(ans);
-    - an answer's context is its prompt and then its thought (rollout_ma);
-    - thoughts and answers are two loss parts, each aggregated alone (global_loss_weights).
-      So M answers per thought do not outweigh the thought.
+    To copy GRPO-MA, take two more pieces. An answer's context is its prompt, then its thought
+    (rollout_ma). Thoughts and answers are two loss parts, each aggregated alone
+    (global_loss_weights), so that M answers per thought do not outweigh the thought.
     """
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
@@ -152,22 +136,21 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, take every log-prob as log π(o | q0), also for an o sampled after a
-    rephrasing (rollout_ta's prompt_index). The ratio is then π(o | q0) / π_old(o | q0).
-    The rephrasings are a way to explore: they make the model write solutions that it rarely
-    writes for q0. Training π(· | q0) on them moves q0's answers toward those solutions.
-    An importance weight π(o | q0) / π(o | q_j) would be far from 1 and mostly clipped.
-    The paper's fifth arXiv version takes this anchored ratio instead; --ta-anchor rephrased
-    keeps the prompt that produced each response, as the public code does.
+    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too
+    (rollout_ta's prompt_index): ρ = π(o | q0) / π_old(o | q0). Why: the rephrasings explore.
+    They make the model write solutions it rarely writes for q0; training π(· | q0) on them moves
+    q0's answers toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1
+    and mostly clipped. The anchored ratio is the paper's fifth arXiv version's. --ta-anchor
+    rephrased keeps each response's own prompt, as the public code does.
     """
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
     """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask.
 
-    |λ(i,t)| counts the completions of i's group that agree with i on tokens 0..t.
-    It counts i itself and exact duplicates. So a prefix shared by k completions is trained once.
-    The groups are group_size consecutive rows; each row is right-padded. A group of 6:
+    |λ(i,t)| counts the completions of i's group that agree with i on tokens 0..t. It counts
+    i itself and exact duplicates. So a prefix shared by k completions is trained once, not k
+    times. A group is group_size consecutive rows, each right-padded. A group of 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -176,15 +159,15 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
         J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
         V W Y Z            1   1   1   1
 
-    >>> ids, mask = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 0]]), torch.tensor([[1, 1, 1]] * 2 + [[1, 1, 0]])
-    >>> lambda_weights(ids, mask, 3)
+    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 0]])
+    >>> lambda_weights(ids, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]]), 3)
     tensor([[0.5000, 0.5000, 1.0000],
             [0.5000, 0.5000, 1.0000],
             [1.0000, 1.0000, 0.0000]])
 
-    To copy λ-GRPO, multiply the aggregation weights by these: the policy and the KL terms.
-    The normaliser stays the raw token count. The loss's overall scale shrinks, which Adam
-    mostly cancels. The loop compares every pair of a group's rows: ~4·B·G·T bytes.
+    To copy λ-GRPO, multiply the aggregation weights by these, for the policy and the KL terms.
+    The normaliser stays the raw token count. The loss's scale shrinks, which Adam mostly cancels.
+    Every pair of a group's rows is compared: ~4·B·G·T bytes.
     """
     B, T = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
@@ -206,9 +189,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     tensor([[0.2500, 0.2500, 0.0000, 0.0000],
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
-    Under dapo each of these six tokens weighs 1/6. A piece of a batch, a micro-batch or a rank's
-    share, takes the whole batch's num_rows and num_tokens. The pieces' losses then add up to
-    the batch's.
+    Under dapo each of these six tokens weighs 1/6. A piece of a batch, such as a micro-batch,
+    takes the whole batch's num_rows and num_tokens: the pieces' losses add up to the batch's.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -227,19 +209,18 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
-        per-token loss = -min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β KL
-        loss = Σ loss_weights · per-token loss
+        loss = Σ w · (-min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β KL)      w: loss_weights
 
-    >>> logp = torch.zeros(1, 2, requires_grad=True)
+    >>> logp = torch.zeros(1, 2, requires_grad=True)  # two tokens, A = 2, w = 0.5 each
     >>> loss, _ = policy_loss(logp, logp.detach(), torch.tensor([2.]), torch.ones(1, 2),
     ...                       torch.full((1, 2), 0.5))
     >>> loss.backward(); loss.item(), logp.grad
     (-2.0, tensor([[-1., -1.]]))
 
-    At μ = 1 the old log-probs are logp.detach(), so ρ = 1 with the gradient of logp.
-    The min's two terms are then equal, and torch sends half the gradient through each.
-    clamp's gradient is 1 inside its range, so both halves reach logp: ∂loss/∂logp = -w A.
-    ε_high is ε when None, as TRL. The metrics are token means, as 0-dim tensors.
+    At μ = 1 the old log-probs are logp.detach(), so ρ = 1 with the gradient of logp. The min's
+    two terms are then equal, and torch sends half the gradient through each. clamp passes its
+    gradient inside its range, so both halves reach logp: ∂loss/∂logp = -w A. ε_high is ε when
+    None, as in TRL. The metrics are token means.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -265,52 +246,49 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # 2. The reward: 1 for a finished completion whose answer is the reference. Model output is text:
 # it is read, never run.
 
-FORMAT_RE = re.compile(r"\s*<think>((?!</?(?:think|answer)>).)*</think>\s*"
-                       r"<answer>((?!</?(?:think|answer)>).)*</answer>\s*", re.DOTALL)
+NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think or answer tag in it
+FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
 
 def after_thought(text: str):
-    """The text after the first </think>, where the answer must be. All of it without a thought;
-    None when a <think> never closes. An answer written inside the thought never counts."""
+    """The text after the first </think>, where the answer must be: all of it without a thought,
+    None when a <think> never closes. So an answer written inside the thought never counts."""
     if "<think>" in text and "</think>" not in text:
         return None
     return text.split("</think>", 1)[-1]
 
 def tagged_answer(text: str):
     """What the last <answer>...</answer> holds, or None. Each <answer> pairs with the first
-    </answer> after it; the search goes forward only, so its time is linear in the text."""
+    </answer> after it. The search only goes forward, so its time is linear in the text."""
     found, start = None, text.find("<answer>")
     while start >= 0 and (end := text.find("</answer>", start)) >= 0:
         found, start = text[start + len("<answer>"):end], text.find("<answer>", end)
     return found
 
 def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer after the thought, or None.
-
-    - tags, math-verify: the last <answer>...</answer>, else what the last \\boxed{} holds.
-    - last-number: the text from the last number, as GSM8K's graders read.
-    """
+    """The answer after the thought, or None. With tags and math-verify it is the last
+    <answer>...</answer>, else the last \\boxed{}. With last-number it is the last number and
+    the text around it, as GSM8K is graded."""
     text = after_thought(text)
     if text is None:
         return None
     if answer_from == "last-number":
-        return last_number(text)  # Part II: the last number with what stands around it
+        return last_number(text)  # Part II: the text from the number or '=' before the last one
     found = tagged_answer(text)
-    return found if found is not None else boxed(text)  # Part II: the last box's inside
+    return found if found is not None else boxed(text)  # Part II: what the last box holds
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           answer_from: str = "tags"):
     """(reward, parsed) of one completion.
 
-    The reward is 1 if the completion finished with EOS and its answer is the reference.
-    It adds format_reward when the text is one <think>...</think> and then one <answer>...</answer>.
+    The reward is 1 if the completion finished with EOS and its answer is the reference. It
+    adds format_reward for exactly one <think>...</think>, then one <answer>...</answer>.
     parsed says that an answer was read: for a numeric reference, a number.
-
     - A numeric reference wants the number itself: '1/2' equals '0.5'.
     - Any other reference is compared as text, without whitespace or a \\boxed{} around it.
-    - math-verify: Hugging Face's math_verify compares the two as LaTeX expressions.
+    - With math-verify, Hugging Face's math_verify compares the two as LaTeX.
     """
     answer = extract_answer(text, answer_from)
-    ref_num = parse_number(reference)  # Part II: the one number a text holds, as a Fraction
+    ref_num = parse_number(reference)  # Part II: the one number a text holds, or None
     answer_num = parse_number(answer) if answer is not None else None
     if answer_from == "math-verify":
         parsed = answer is not None
@@ -327,11 +305,9 @@ def as_text(answer: str) -> str:
     return re.sub(r"\s", "", boxed(answer) or answer)
 
 def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="tags", before=""):
-    """(rewards, parsed, tagged), each (B,), of generate's Samples.
-
-    Each text is read after `before`: the response prefix, and for a GRPO-MA answer its thought.
-    tagged says that <answer> tags follow the thought.
-    """
+    """(rewards, parsed, tagged), each (B,), of generate's Samples. Each text is read after
+    `before`: the response prefix, and for a GRPO-MA answer its thought. tagged says that
+    <answer> tags follow the thought."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     before = [before] * len(texts) if isinstance(before, str) else before
     texts = [b + text for b, text in zip(before, texts)]
@@ -343,17 +319,14 @@ def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="
     return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
 
 # -----------------------------------------------------------------------------
-# 3. The sampler: each prompt is encoded once and its KV cache copied to the rows that continue
-# it. It assumes HF's decoder layout, model.model then model.lm_head, as in Qwen2/3 and Llama,
-# and transformers 5.24 or newer for its cache= argument.
+# 3. The sampler: each prompt is encoded once and its KV cache copied to its rows. It assumes
+# HF's decoder layout, model.model then model.lm_head, as in Qwen2/3 and Llama, and
+# transformers 5.24 or newer for its cache= argument.
 
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
-    """The chat-templated token ids of a question, generation prompt on, then the response prefix.
-
-    The prefix is the reply's first words, as DeepSeek-R1's template ends with <think>.
-    It is tokenized on its own and as plain text, so special-token names in it stay text.
-    It belongs to the prompt: never sampled, never trained.
-    """
+    """The token ids of a question in the chat template with the generation prompt, then the
+    response prefix: the reply's first words, as DeepSeek-R1's template ends with <think>. The
+    prefix is tokenized alone, as plain text, and belongs to the prompt: never sampled or trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -372,11 +345,9 @@ def left_pad(seqs: list[list[int]], pad_id: int):
     return ids, mask
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder's last hidden states (B, T, H) for input_ids (B, T), without the lm_head.
-
-    The input follows the L tokens already in `cache`, a DynamicCache that grows in place.
-    attention_mask (B, L + T) covers both; padding, 0, may be anywhere.
-    """
+    """The decoder's last hidden states (B, T, H) for input_ids (B, T), before the lm_head. The
+    input follows the L tokens in `cache`, a DynamicCache that grows in place. attention_mask
+    (B, L + T) covers both, with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -384,11 +355,8 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     return out.last_hidden_state
 
 def prefill(model, prompts: list[list[int]], pad_id: int):
-    """(cache, mask, last): the KV cache of each prompt but its last token, and that token.
-
-    The next forward pass takes the last token as input; its output predicts the first new token.
-    The prompts are left-padded; mask (B, L - 1) marks the cache's real tokens.
-    """
+    """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
+    last token. The next pass takes the last token as input; its output predicts a new token."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
     ids, mask = ids.to(device), mask.to(device)
@@ -396,26 +364,6 @@ def prefill(model, prompts: list[list[int]], pad_id: int):
     if ids.shape[1] > 1:
         run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
     return cache, mask[:, :-1], ids[:, -1]
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the generation config's.
-    Qwen has two: <|im_end|> and <|endoftext|>."""
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids])
-    return sorted((ids | {tokenizer.eos_token_id}) - {None})
-
-def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
-    """(B,) bool: the rows whose text holds a stop string once this step's token is appended.
-
-    texts[row] is each row's text so far. A token may carry text past the string's end:
-    the BPE token '><' ends '</think>' and starts '<answer>'.
-    """
-    pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
-    hit = []
-    for row, piece in zip(active.tolist(), pieces):
-        texts[row] += piece
-        hit.append(any(s in texts[row] for s in stop_strings))
-    return torch.tensor(hit, dtype=torch.bool, device=token.device)
 
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     """The text of each completion's masked tokens, special tokens dropped."""
@@ -431,12 +379,9 @@ class Samples:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
-    """n samples of each prompt, a list of token ids; the rows are prompt-major.
-
-    Each step draws one token of every row from softmax(logits / T): no top-k, no top-p.
-    So the loss's log-probs are those of the distribution sampled. A row ends at an EOS, at the
-    token that completes a stop string, or at max_new_tokens; ended rows leave the batch.
-    """
+    """n samples of each prompt, rows prompt-major. Each step draws one token per row from
+    softmax(logits / T), with no top-k or top-p: the distribution the loss's log-probs are of.
+    A row ends at an EOS, at the token that completes a stop string, or at max_new_tokens."""
     was_training = model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     device = next(model.parameters()).device
@@ -444,10 +389,10 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
     cache.reorder_cache(index)  # each prompt's cache, copied to its n rows
     mask, token = mask.index_select(0, index), token.index_select(0, index)
-    eos, B = torch.tensor(eos_ids(model, tokenizer), device=device), len(index)
+    eos = torch.tensor(eos_ids(model, tokenizer), device=device)  # Part II: every EOS token
+    B = len(index)
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
     texts, active = [""] * B, torch.arange(B, device=device)  # the rows still being decoded
     for t in range(max_new_tokens):
         if not len(active):
@@ -460,107 +405,32 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
             token = logits.argmax(-1)
         else:
             token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
-        ids[active, t] = token
+        ids[active, t], ended = token, torch.isin(token, eos)
         lengths[active] += 1
-        ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        if stop_strings:
+        if stop_strings:  # Part II: the rows whose text now holds a stop string
             ended = ended | stop_string_hits(tokenizer, token, active, texts, stop_strings)
-        if ended.any():  # dropping rows copies every layer's cache: only when a row ended
-            go = ~ended
-            active, mask, token = active[go], mask[go], token[go]
-            cache.batch_select_indices(go.nonzero().squeeze(1))
+        if ended.any():  # ended rows leave the batch; that copies the cache, so only then
+            active, mask, token = active[~ended], mask[~ended], token[~ended]
+            cache.batch_select_indices((~ended).nonzero().squeeze(1))
     model.train(was_training)
     C = max(lengths.tolist(), default=0)
     completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
     return Samples(ids[:, :C], completion_mask, finished)
 
 # -----------------------------------------------------------------------------
-# 4. The config, the rows every variant produces, and one rollout per variant.
-
-HERE = Path(__file__).resolve().parent
-SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
-
-def _opt(default, help, choices=None, bound=None):
-    """A flag: its default, its help, its choices, and a bound that --help shows as [>= 1]."""
-    help = f"{help} [{bound}]" if bound else help  # Part II's check_flags reads it back
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-@dataclass
-class Config:
-    """Every field is a command-line flag: --field-name. A bound such as '>= 1' is checked."""
-    # model and data
-    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
-    data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
-    test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
-    system_prompt: str = _opt(SYSTEM_PROMPT, "system message; '' for none, and a chat template "
-                              "may then add its own")
-    response_prefix: str = _opt("", "text the reply starts with, after the generation prompt, "
-                                "e.g. <think>; part of the prompt, never an answer")
-    variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
-    # sampling
-    num_generations: int = _opt(8, "G: completions per prompt (grpo, lambda) or per phrasing (ta)",
-                                bound=">= 1")
-    prompts_per_step: int = _opt(16, "P: prompts per step", bound=">= 1")
-    max_new_tokens: int = _opt(32, "completion length limit; for ma the thought's", bound=">= 1")
-    temperature: float = _opt(1.0, "sampling temperature; the log-probs use the same",
-                              bound="> 0")
-    # GRPO-MA and TA-GRPO
-    num_thoughts: int = _opt(4, "K (ma): thoughts per prompt", bound=">= 1")
-    num_answers: int = _opt(4, "M (ma): answers per thought", bound=">= 1")
-    max_answer_tokens: int = _opt(24, "answer length limit (ma)", bound=">= 1")
-    ma_weighting: str = _opt("parts", "(ma) parts: a mean over the thoughts plus one over the "
-                             "answers; tokens: one mean over both", ["parts", "tokens"])
-    num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn afresh each step",
-                                bound=">= 1")
-    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper) or the "
-                          "rephrasing (public code)", ["original", "rephrased"])
-    # loss and optimisation
-    loss_type: str = _opt("dapo", "token aggregation, as TRL; DAPO's is the default, "
-                          "DeepSeekMath's grpo", ["grpo", "dr_grpo", "dapo"])
-    scale_rewards: str = _opt("group", "divide by the std; none: Dr. GRPO", ["group", "none"])
-    beta: float = _opt(0.0, "k3 KL coefficient; a reference model is loaded only when > 0",
-                       bound=">= 0")
-    epsilon: float = _opt(0.2, "clip range of the ratio, the upper too unless --epsilon-high",
-                          bound=">= 0")
-    epsilon_high: float | None = _opt(None, "upper clip range (default: --epsilon; DAPO: 0.28)",
-                                      bound=">= 0")
-    num_iterations: int = _opt(1, "mu: updates per sampled batch", bound=">= 1")
-    answer_from: str = _opt("tags", "where the answer is read: the last <answer> tags, else the "
-                            "last \\boxed; the last number; or the tags' answer graded by "
-                            "math_verify, which credits units and reads LaTeX (pip install "
-                            "math-verify)", ["tags", "last-number", "math-verify"])
-    format_reward: float = _opt(0.0, "extra reward for one <think>..</think><answer>..</answer>",
-                                bound=">= 0")
-    lr: float = _opt(2e-4, "AdamW learning rate (tiny model; ~1e-6 for real models)", bound="> 0")
-    warmup_steps: int = _opt(10, "linear warmup over training steps, then constant", bound=">= 0")
-    weight_decay: float = _opt(0.0, "AdamW weight decay", bound=">= 0")
-    max_grad_norm: float = _opt(1.0, "gradient clipping", bound="> 0")
-    micro_batch_size: int = _opt(64, "rows per forward/backward of the update", bound=">= 1")
-    steps: int = _opt(100, "training steps", bound=">= 1")
-    # eval, logging, checkpoints, runtime
-    eval_every: int = _opt(50, "eval every N steps; 0: only at start and end", bound=">= 0")
-    eval_samples: int = _opt(8, "samples per held-out question for pass@k", bound=">= 1")
-    eval_limit: int = _opt(0, "use only the first N held-out questions; 0: all", bound=">= 0")
-    log_completions: int = _opt(25, "every N steps, show a group as text; 0: off", bound=">= 0")
-    save_every: int = _opt(50, "checkpoint every N steps; 0: only at the end; SIGTERM saves",
-                           bound=">= 0")
-    out: str = _opt("out", "run folder: metrics.jsonl, completions.jsonl, checkpoint, summary")
-    resume: bool = _opt(False, "continue the run in --out, or start it")
-    overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
-    seed: int = _opt(0, "seed for data order, sampling and init")
-    device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
-    gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
+# 4. The rows every variant produces, and one rollout per variant. cfg is Part II's Config: each
+# field is a flag, so cfg.num_generations is --num-generations.
 
 @dataclass
 class Rows:
-    """What a rollout hands to update(), whichever the variant: completions with their advantages.
+    """What a rollout hands to update(), whichever the variant: completions and their advantages.
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
     completion of row parent[i]. A context is named, not copied, so that it is encoded once.
-    Completions are right-padded: a mask is a run of 1s from column 0. 2-D fields are (B, C).
+    Completions are right-padded: a mask is a run of 1s from column 0.
     """
-    prompts: list[list[int]]       # the distinct prompts, chat-templated token ids
+    prompts: list[list[int]]       # the distinct prompts, as token ids
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
     parent: torch.Tensor           # (B,) -1, or the row between prompt and this one: MA's thought
     completion_ids: torch.Tensor   # (B, C) right-padded
@@ -575,11 +445,11 @@ class Rows:
     def __len__(self):
         return len(self.completion_ids)
 
-    def to(self, device) -> "Rows":
+    def to(self, device) -> Rows:
         """The same rows with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Rows(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                       for k, v in moved.items()})
+        return Rows(**{f.name: getattr(self, f.name).to(device)
+                       if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+                       for f in fields(self)})
 
     def context(self, i: int) -> list[int]:
         """Row i's context as token ids: its prompt, then its parent's completion."""
@@ -589,23 +459,14 @@ class Rows:
             ids += self.completion_ids[p][self.completion_mask[p].bool()].tolist()
         return ids
 
-# A rollout samples and scores one batch, and returns (Rows, metrics). To write one, copy
-# rollout_grpo: prompt_ids and generate, score_batch, the advantages of a scheme of section 1,
-# then Rows. A rollout takes this rank's examples, so its P is this rank's share. Its metrics are
-# tensors; the log shows the mean of their elements over all ranks. Add it to ROLLOUTS and to
-# --variant's choices. timed(metrics, key) (Part II) adds a block's wall seconds to metrics[key].
+# A rollout samples and scores one batch, this rank's share, and returns (Rows, metrics). To write
+# one, copy rollout_grpo; add it to ROLLOUTS and to --variant's choices. Part II's helpers here:
+# timed adds a block's seconds to metrics, sample_metrics gives what every rollout logs. A
+# metric is a tensor; the log shows the mean of its elements over all ranks.
 
-def sample_metrics(rewards, advantages, groups, num_groups, parsed, tagged, samples) -> dict:
-    """What every rollout logs. reward is that of the completions scored.
-    frac_reward_zero_std is the share of groups without a signal: every advantage 0."""
-    nonzero = torch.zeros(num_groups).index_add(0, groups, (advantages != 0).float())
-    return {"reward": rewards, "frac_reward_zero_std": nonzero == 0,
-            "completion_length": samples.completion_mask.sum(1).float(),
-            "truncated": ~samples.finished, "unparseable": ~parsed, "format": tagged}
-
-def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
+def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
     """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group.
-    For lambda the rows also carry 1/|λ|. Both log how much a group's completions share."""
+    For lambda the rows carry 1/|λ| too. Both log how much a group's completions share."""
     G, metrics = cfg.num_generations, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -628,20 +489,16 @@ def rollout_grpo(model, tokenizer, cfg: Config, batch: list[dict], rng):
     return rows, metrics
 
 # rollout_ma's rows for P = 1, K = 2, M = 2, with thought 1 left open:
-#
 #     row  completion        parent  advantage  part (--ma-weighting parts)
 #     0    thought 0         -1      A(th_0)    0: thoughts, limit --max-new-tokens
 #     1    thought 1 (open)  -1      A(th_1)    0
 #     2    answer 0,0         0      A(a_0,0)   1: answers, limit --max-answer-tokens
 #     3    answer 0,1         0      A(a_0,1)   1
 
-def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """GRPO-MA: K thoughts per prompt, then M answers per closed thought (ma_advantages).
-
-    A thought ends at the token whose text completes </think>. Its answers are sampled after
-    prompt + thought and scored on prefix + thought + answer. An open thought gets no answers
-    and value 0; it is still trained, with its advantage.
-    """
+def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
+    """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>, then M
+    answers per closed thought (ma_advantages). An answer is sampled after prompt + thought and
+    scored on prefix + thought + answer. An open thought gets no answers, and value 0."""
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -663,48 +520,45 @@ def rollout_ma(model, tokenizer, cfg: Config, batch: list[dict], rng):
     thought_adv, answer_adv, values = ma_advantages(rewards, parents, thought_prompt,
                                                     cfg.scale_rewards)
     metrics.update(sample_metrics(rewards, answer_adv, parents // K, len(batch), parsed, tagged,
-                                  ans),
-                   thought_value=values, unclosed_thoughts=~closed, thought_length=th_mask.sum(1)
-                   .float(), frac_value_zero_std=(thought_adv == 0).view(-1, K).all(1))
+                                  ans), thought_value=values, unclosed_thoughts=~closed,
+                   frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1),
+                   thought_length=th_mask.sum(1).float())
     parent = torch.cat([torch.full((len(closed),), -1), parents])
-    two_parts = cfg.ma_weighting == "parts"  # else one token mean over thoughts and answers
     limits = [cfg.max_new_tokens, cfg.max_answer_tokens]
+    two_parts = cfg.ma_weighting == "parts"  # else one token mean over thoughts and answers
     pad = lambda tensors, value: pad_sequence(tensors, batch_first=True, padding_value=value)
     rows = Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, parents // K]),
-                parent=parent,
+                parent=parent, advantages=torch.cat([thought_adv, answer_adv]),
                 completion_ids=pad([*th_ids, *ans.completion_ids.cpu()], tokenizer.pad_token_id),
                 completion_mask=pad([*th_mask, *ans.completion_mask.cpu()], 0),
-                advantages=torch.cat([thought_adv, answer_adv]), rewards=torch.cat([values, rewards]),
                 part=(parent >= 0).long() if two_parts else None,
-                part_limits=limits if two_parts else [max(limits)])
+                part_limits=limits if two_parts else [max(limits)],
+                rewards=torch.cat([values, rewards]))
     return rows, metrics
 
 # rollout_ta's rows for P = 1, N = 2, G = 2, one rephrasing drawn; all four form one group:
-#
 #     row  phrasing  prompt_index: original / rephrased  question (the group id)
 #     0    q0        0 / 0                                0
 #     1    q0        0 / 0                                0
 #     2    q1        0 / 1                                0
 #     3    q1        0 / 1                                0
 
-def rollout_ta(model, tokenizer, cfg: Config, batch: list[dict], rng):
-    """TA-GRPO: each question q0 with n <= N of its rephrasings, drawn afresh each step.
-
-    G responses to each phrasing; advantages normalised over the question's (n+1)·G responses.
-    --ta-anchor original takes every log-prob given q0: ta_advantages says why.
-    """
+def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
+    """TA-GRPO: each question q0 with n <= N of its rephrasings, drawn afresh each step, and G
+    responses to each phrasing. Advantages are normalised over the question's (n+1)·G
+    responses. --ta-anchor original takes every log-prob given q0: ta_advantages says why."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
-    phrasings, q0_of, question, j_of = [], [], [], []  # j_of: each phrasing's j, q0 = 0
+    phrasings, q0_of, question, j = [], [], [], []  # j: a phrasing's place, 0 for q0
     for p, ex in enumerate(batch):
         drawn = rng.sample(ex["rephrasings"], min(N, len(ex["rephrasings"])))
         q0_of.append(len(phrasings))
-        for j, text in enumerate([ex["question"]] + drawn):
+        for k, text in enumerate([ex["question"]] + drawn):
             phrasings.append(prompt_ids(tokenizer, text, cfg.system_prompt, cfg.response_prefix))
-            question, j_of = question + [p], j_of + [j]
+            question, j = question + [p], j + [k]
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     question = torch.tensor(question).repeat_interleave(G)  # each row's original question
-    j = torch.tensor(j_of).repeat_interleave(G)
+    j = torch.tensor(j).repeat_interleave(G)
     references = [batch[p]["answer"] for p in question.tolist()]
     r, parsed, tagged = score_batch(tokenizer, s, references, cfg.format_reward, cfg.answer_from,
                                     cfg.response_prefix)
@@ -734,7 +588,7 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 #     -> the gradients summed over the ranks, the norm clipped, optimizer.step; μ times
 
 def plain_logps(model, rows: Rows, temperature: float):
-    """(B, C) log softmax(logits / T) of each completion token, given its context and the tokens
+    """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
     before it: one forward pass per row over context + completion. This defines the log-probs."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     device = rows.completion_ids.device
@@ -750,18 +604,15 @@ def plain_logps(model, rows: Rows, temperature: float):
 def global_loss_weights(rows: Rows, loss_type: str):
     """(w, tokens): each token's weight w in J over the whole batch, (B, C), and its token count.
 
-    - Each loss part is aggregated alone, with its counts over all ranks and its length limit.
-      One part, or GRPO-MA's thoughts and answers: under dapo and grpo each part's w sum to 1.
-      J is then one mean per part, so GRPO-MA's thoughts weigh as much as its answers.
-    - λ-GRPO's 1/|λ| multiplies w, for the policy and the KL terms, not the normaliser.
+    Each loss part is aggregated alone, with its counts over all ranks and its length limit.
+    There is one part, or GRPO-MA's thoughts and answers. Under dapo and grpo each part's w
+    sum to 1, so J is one mean per part: GRPO-MA's thoughts weigh as much as its answers.
+    λ-GRPO's 1/|λ| then multiplies w, not the normaliser.
 
     GRPO-MA, parts, dapo, 2 thoughts of 3 tokens and 4 answers of 2: a thought token weighs 1/6,
-    an answer token 1/8. Pooled, --ma-weighting tokens, every token would weigh 1/14.
+    an answer token 1/8. Pooled by --ma-weighting tokens, every token would weigh 1/14.
     """
-    assert rows.part_limits, "the rollout sets part_limits, one per loss part"
-    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
-    parents = rows.parent[rows.parent >= 0]
-    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
+    check_rows(rows)  # Part II: asserts the parts, finite advantages, parents one level deep
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
     for k, max_len in enumerate(rows.part_limits):
@@ -774,31 +625,28 @@ def global_loss_weights(rows: Rows, loss_type: str):
         weights = weights * rows.inv_lambda
     return weights, tokens
 
-def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
+def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
-
-    A micro-batch's loss is its piece of -J, since w counts the whole batch. backward() adds up
-    the pieces' gradients, and sum_gradients adds the ranks'. The old log-probs, at μ > 1, and
-    the reference's, at β > 0, are taken before the first step. The model is in train mode: Qwen
-    and Llama have no dropout; turn off a model's own. test_update_works_one_grpo_step_by_hand
-    works a whole step by hand: rewards, A, w, the loss and its gradient.
-    """
-    metrics = {}
+    w counts the whole batch, so a micro-batch's loss is its piece of -J; backward() adds up the
+    pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0, come first. Train
+    mode: Qwen and Llama have no dropout; turn off a model's own. test_update_works_one_grpo_step_
+    by_hand works a step by hand: rewards, A, w, the loss and its gradient."""
+    metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
-    micro = micro_batches(rows, cfg.micro_batch_size)  # Part II: a thought stays with its answers
-    micro = [m.to(next(model.parameters()).device) for m in micro]
+    # Part II: pieces of about --micro-batch-size rows; a thought stays with its answers
+    micro = [m.to(device) for m in micro_batches(rows, cfg.micro_batch_size)]
     # rows_logps (Part II): plain_logps' numbers, with each shared context encoded once
     logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
         with torch.no_grad():
-            old = [logps_of(model, m, cfg.temperature) for m in micro] if cfg.num_iterations > 1 \
-                else None
+            mu_1 = cfg.num_iterations == 1  # then π_old is π: old = logps.detach() below
+            old = None if mu_1 else [logps_of(model, m, cfg.temperature) for m in micro]
             ref = [logps_of(ref_model, m, cfg.temperature) for m in micro] if cfg.beta else None
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature)  # (b, C)
-                loss, loss_metrics = policy_loss(  # at μ = 1, π_old is π: old = logps.detach()
+                loss, loss_metrics = policy_loss(
                     logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
                     m.loss_weights, ref[j] if ref else None, cfg.beta, cfg.epsilon,
                     cfg.epsilon_high)
@@ -813,12 +661,10 @@ def update(model, ref_model, optimizer, rows: Rows, cfg: Config) -> dict:
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
 
-def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, step: int) -> dict:
+def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
-
-    The prompts are drawn afresh each step, from (seed, step): there are no epochs.
-    So a resumed run continues the same stream. step counts from 0 and is logged as step + 1.
-    """
+    The prompts are drawn afresh each step from (seed, step): there are no epochs, and a resumed
+    run continues the same stream. step counts from 0 and is logged as step + 1."""
     t_step = time.perf_counter()
     rank, W = rank_and_world()  # Part II: (0, 1) without torchrun
     data_rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -830,60 +676,53 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg: Config, examples, st
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
     metrics = global_means(metrics)  # Part II: each metric's mean over all ranks
     if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
-        log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)  # Part II: shows a group
+        log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)  # Part II: one group
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
     metrics["time/step"] = time.perf_counter() - t_step  # this rank's; rank 0 logs
     metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
     return metrics
 
-def train(cfg: Config) -> dict:
+def train(cfg) -> dict:
     """Train as configured. Returns the summary on rank 0, None on the other ranks.
 
         eval the starting policy
         for each step: train_step, the schedule, a metrics line, an eval when due,
-                       and a checkpoint when due, or a stop after SIGTERM
+                       a checkpoint when due, or a stop after SIGTERM
         print the summary: the first eval against the last
     """
-    # Part II: the ranks, the data files, the run folder, the model and its optimizer.
-    # checkpoint is where --resume continues from; it is None for a new run.
+    # Part II: ranks, data, run folder, model, optimizer; state: --resume's checkpoint or None
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
-    write = open_logs(cfg, state, rank)  # Part II: metrics.jsonl lines, from rank 0 only
-    start = state["step"] if state else 0
+    write = open_logs(cfg, state, rank)  # Part II: writes a metrics.jsonl line on rank 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    eval_seed = cfg.seed + 12345  # the same sampling noise for every eval of a run
+    evaluation = lambda: evaluate(model, tokenizer, test_examples, cfg, cfg.seed + 12345)
     t0 = time.time()
     with signals_caught() as caught:  # Part II: SIGTERM or Ctrl-C asks for a stop
         if state is None:
             with autocast:
-                write({"step": 0, "eval": evaluate(model, tokenizer, test_examples, cfg, eval_seed)})
-        for step in tqdm(range(start, cfg.steps), desc=cfg.variant, disable=rank != 0):
+                write({"step": 0, "eval": evaluation()})
+        for step in tqdm(range(state["step"] if state else 0, cfg.steps), desc=cfg.variant,
+                         disable=rank != 0):
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             with autocast:  # backward ops take their forward ops' dtypes; AdamW is not autocast
                 metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step)
-            scheduler.step()
-            write({"step": step + 1, "lr": lr, **metrics})
-            if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                with autocast:
-                    write({"step": step + 1,
-                           "eval": evaluate(model, tokenizer, test_examples, cfg, eval_seed)})
-            # Part II: a checkpoint every --save-every steps and at the end; after a signal, a
-            # checkpoint and an exit with one line
+                scheduler.step()
+                write({"step": step + 1, "lr": lr, **metrics})
+                if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                    write({"step": step + 1, "eval": evaluation()})
+            # Part II: a checkpoint every --save-every steps and at the end; after a signal,
+            # a checkpoint and an exit with one line
             save_or_stop(cfg, step + 1, caught, model, tokenizer, optimizer, scheduler)
     return report(cfg, time.time() - t0) if rank == 0 else None  # Part II: the summary
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg: Config, seed: int,
-             max_rows: int = 512) -> dict:
-    """Greedy accuracy, pass@k and format on held-out questions.
-
-    pass@k, for k = 1..n, comes from n = --eval-samples samples per question at the training
-    temperature. format is the share of samples with answer tags. The questions go in chunks of
-    at most max_rows samples. Chunk c is seeded with seed + c and sampled by rank c % W, so the
-    result is what one process gets. GRPO-MA's eval samples one plain completion of both limits.
-    """
+def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
+    """Greedy accuracy, pass@k and format on held-out questions. pass@k, k = 1..n, comes from
+    n = --eval-samples samples per question at the training temperature; format is the share
+    with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
+    c % W, as one process would. GRPO-MA samples one plain completion of both limits."""
     n = cfg.eval_samples
     rank, W = rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
@@ -937,14 +776,11 @@ class CachedContext:
         """In place: keep rows `index`; a repeated index copies a context to several rows.
         HF's reorder_cache and index_select have a deterministic CPU backward; x[index] has not."""
         self.cache.reorder_cache(index)
-        self.mask = self.mask.index_select(0, index)
-        self.last = self.last.index_select(0, index)
+        self.mask, self.last = self.mask.index_select(0, index), self.last.index_select(0, index)
 
 def rows_logps(model, rows: Rows, temperature: float):
     """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
     rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
-
-    A context's cache holds all its tokens but the last, which is the next pass's first input.
     Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
 
         pass      input     cache before     predicts   cache after
@@ -971,17 +807,14 @@ def rows_logps(model, rows: Rows, temperature: float):
         continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
 
-def continue_rows(model, ctx: CachedContext, rows: Rows, idx, logps,
-                  temperature: float) -> CachedContext:
+def continue_rows(model, ctx: CachedContext, rows: Rows, idx, logps, temperature: float):
     """rows_logps' pass: write the log-probs of rows idx, each after its context in ctx, into
-    logps. Returns the contexts that end with those rows, for their children; ctx's cache grows
-    in place and is the returned one's."""
+    logps. Returns the contexts that end with those rows; ctx's cache grows in place."""
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
     inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
-    # inputs[:, t] is real exactly where target t is, since a mask is 1s from column 0. The cache
-    # takes every input, so it ends one token short of each row: that last token is what a
-    # child row's pass feeds first (CachedContext.last)
+    # inputs[:, t] is real exactly where target t is. The cache takes every input, so it ends one
+    # token short of each row: that last token is what a child row's pass feeds first
     attn = torch.cat([ctx.mask, target_mask], 1)
     hidden = run_decoder(model, inputs, attn, ctx.cache)
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
@@ -999,9 +832,8 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
     def chunk_logps(h, t):
         logits = lm_head(h).float() / temperature  # after the cast: bf16 / T would round again
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    pieces = []
-    for hc, tc in zip(h.split(chunk), t.split(chunk)):  # under no_grad, checkpoint just calls
-        pieces.append(torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False))
+    pieces = [torch.utils.checkpoint.checkpoint(chunk_logps, hc, tc, use_reentrant=False)
+              for hc, tc in zip(h.split(chunk), t.split(chunk))]  # no_grad: checkpoint just calls
     logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
     logps[keep] = torch.cat(pieces)
     return logps
@@ -1013,11 +845,10 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
         if current and len(current) + len(unit) > size:
-            batches.append(current)
-            current = []
+            batches, current = batches + [current], []
         current = current + unit
-    batches.append(current)
-    return [select_rows(rows, torch.tensor(sorted(b), dtype=torch.long)) for b in batches]
+    return [select_rows(rows, torch.tensor(sorted(b), dtype=torch.long))
+            for b in batches + [current]]
 
 def select_rows(rows: Rows, index: torch.Tensor) -> Rows:
     """The rows `index`, with only the prompts they use and the completion columns that hold a
@@ -1041,7 +872,7 @@ def select_rows(rows: Rows, index: torch.Tensor) -> Rows:
     return Rows(**picked)
 
 # -----------------------------------------------------------------------------
-# Sums over micro-batches and ranks, and the update's guards.
+# Sums over micro-batches and ranks, the metrics, and the guards of sampling and the update.
 
 class UpdateLog:
     """update()'s metrics. The loss is summed over the micro-batches. policy_loss's metrics are
@@ -1051,8 +882,7 @@ class UpdateLog:
     def __init__(self, micro: list[Rows], tokens: int, cfg: Config):
         self.shares = [m.completion_mask.sum().item() / max(tokens, 1) for m in micro]
         self.passes, self.tokens, self.grad_norms = cfg.num_iterations, tokens, []
-        keys = ["loss", "clip_low", "clip_high"] + (["kl"] if cfg.beta else [])
-        self.totals = dict.fromkeys(keys, 0.0)
+        self.totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta), 0.0)
 
     def add(self, j: int, loss, metrics: dict):
         self.totals["loss"] += loss.item() / self.passes
@@ -1062,6 +892,21 @@ class UpdateLog:
     def result(self) -> dict:
         totals = dict(zip(self.totals, all_reduce(list(self.totals.values()))))
         return totals | {"grad_norm": float(np.mean(self.grad_norms)), "tokens": self.tokens}
+
+def sample_metrics(rewards, advantages, groups, num_groups, parsed, tagged, samples) -> dict:
+    """What every rollout logs. reward is that of the completions scored. frac_reward_zero_std
+    is the share of groups without a signal, every advantage 0."""
+    nonzero = torch.zeros(num_groups).index_add(0, groups, (advantages != 0).float())
+    return {"reward": rewards, "frac_reward_zero_std": nonzero == 0,
+            "completion_length": samples.completion_mask.sum(1).float(),
+            "truncated": ~samples.finished, "unparseable": ~parsed, "format": tagged}
+
+def check_rows(rows: Rows):
+    """What update() relies on, asserted: loss parts, finite advantages, parents one level deep."""
+    assert rows.part_limits, "the rollout sets part_limits, one per loss part"
+    assert rows.advantages.isfinite().all(), "the rollout gives every row a finite advantage"
+    parents = rows.parent[rows.parent >= 0]
+    assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
 
 def clip_gradients(model, max_norm: float) -> float:
     """Clip the gradient to norm max_norm; returns the norm before. A non-finite norm stops the run:
@@ -1077,6 +922,23 @@ def check_finite(logits):
     if not logits.isfinite().all():
         raise UserError("the policy's logits are not finite: training diverged; lower --lr")
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the generation config's. Qwen
+    has two, <|im_end|> and <|endoftext|>."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids])
+    return sorted((ids | {tokenizer.eos_token_id}) - {None})
+
+def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
+    """(B,) bool: the rows whose text holds a stop string once this step's token is appended to
+    texts[row]. A token may carry text past the string: BPE's '><' ends '</think>'."""
+    pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
+    hit = []
+    for row, piece in zip(active.tolist(), pieces):
+        texts[row] += piece
+        hit.append(any(s in texts[row] for s in stop_strings))
+    return torch.tensor(hit, dtype=torch.bool, device=token.device)
+
 @contextlib.contextmanager
 def timed(metrics: dict, key: str):
     """Add the block's wall seconds, once the GPU's queued work is done, to metrics[key]."""
@@ -1087,7 +949,7 @@ def timed(metrics: dict, key: str):
     metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 def global_means(metrics: dict) -> dict:
-    """Each tensor in metrics -> the mean of its elements over all ranks, NaN if there are none;
+    """Each tensor in metrics -> the mean of its elements over all ranks, NaN if there are none,
     also when ranks hold different numbers of them. Other values stay. One all_reduce."""
     keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
     sums = [metrics[key].cpu().double().sum().item() for key in keys]  # MPS has no float64
@@ -1135,18 +997,16 @@ def all_reduce(values: list[float]) -> list[float]:
 
 def sum_gradients(model):
     """Sum the gradients over the ranks: the loss weights are shares of the global batch."""
-    if not torch.distributed.is_initialized():
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            torch.distributed.all_reduce(p.grad)
+    if torch.distributed.is_initialized():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                torch.distributed.all_reduce(p.grad)
 
 # -----------------------------------------------------------------------------
 # The number reader of score. An answer is a number only when one number stands alone in it once
 # the known wrappers are gone: a false positive is worse than a miss, since the policy is trained
-# toward it. The tables in test_grpo.py hold what it reads and what it refuses.
+# toward it. test_grpo.py's tables hold what it reads and what it refuses.
 
 TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
 FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
@@ -1166,16 +1026,13 @@ MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 
 def parse_number(text: str):
     """The one number an answer holds -> Fraction, else None.
 
-    - The wrappers go first (unwrap): \\boxed{}, \\text{}, $, \\$, \\frac{a}{b} of numbers, **.
-    - Then the number may stand among words, spaces and prose punctuation (. , ; : ! ? ' " % #)
-      only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50', 'x = 7',
-      '-\\frac{1}{2}', '.5', '-3/4', '50\\%', '5\\,\\text{cm}', '90^\\circ'.
-    - None for two numbers ('7 or 8', '\\boxed{3} or \\boxed{5}', '2\\frac{1}{3}'), a malformed
-      one ('3,5', '1, 2', '0,005'), and an expression: an operator, bracket or LaTeX command
-      beside it ('x+5', '- 5', 'y = x + 3', '\\sqrt{2}', '3 \\pi', '±5'), or a letter or ! that
-      touches it, also across a wrapper ('2i', 'v2', '4!', '\\boxed{5}x', '\\frac{1}{2}x').
-    - Units with / or ^ are not read ('60 km/h', '42 m^2'): those could be operators.
-      Words are not read either: '5 thousand' is 5.
+    Once the wrappers are gone (unwrap), the number may stand among words, spaces and prose
+    punctuation only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50',
+    'x = 7', '-\\frac{1}{2}', '50\\%', '5\\,\\text{cm}', '90^\\circ'. It is None for two numbers
+    ('7 or 8', '2\\frac{1}{3}'), a malformed one ('3,5', '0,005'), and an expression: an operator,
+    bracket or LaTeX beside it ('x+5', '- 5', '\\sqrt{2}', '±5'), or a letter or ! touching it,
+    also across a wrapper ('2i', '4!', '\\boxed{5}x'). Units with / or ^ are not read ('60 km/h',
+    '42 m^2'): they could be operators. Words are not read: '5 thousand' is 5.
     """
     text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
     runs = number_runs(text)
@@ -1212,24 +1069,21 @@ def boxed(text: str):
 
 def unwrap(text: str) -> str:
     """The text with the wrappers around numbers made plain: \\boxed{x} and \\text{x} are x,
-    \\frac{a}{b} of numbers is a/b, $ and \\$ go, \\% is %, the Unicode minus is -, ** goes.
-    A wrapper's edge becomes a space beside a space or prose. Beside a letter or a digit it stays
-    EDGE, which touches: '\\boxed{5}x' is not 5, '2\\frac{1}{3}' is not 21/3."""
+    \\frac{a}{b} of numbers is a/b, $ and ** go. A wrapper's edge becomes a space beside a space
+    or prose; beside anything else it stays EDGE, which touches: '\\boxed{5}x' is not 5."""
     for old, new in PLAIN:
         text = text.replace(old, new)
     pieces, done = [], 0
     for start, end, inside in boxes(text):
         if end is not None:  # an unclosed box stays LaTeX: no number
-            pieces += [text[done:start], EDGE, inside, EDGE]
-            done = end
-    text = "".join(pieces) + text[done:]
-    text = TEXT_RE.sub(rf"{EDGE}\1{EDGE}", text)
+            pieces, done = pieces + [text[done:start], EDGE, inside, EDGE], end
+    text = TEXT_RE.sub(rf"{EDGE}\1{EDGE}", "".join(pieces) + text[done:])
     text = re.sub(f"{EDGE}+", EDGE, FRAC_RE.sub(rf"{EDGE}\1\2/\3{EDGE}", text))
     return LOOSE_EDGE_RE.sub(" ", text)
 
 def number_runs(text: str) -> list:
     """The number-like runs of a text, as written; None for a run that touches a letter, a digit
-    of another script, LaTeX (\\ ^ _ { }), a ! or a wrapper's EDGE (2i, v2, x^2, 3\\pi, 4!)."""
+    of another script, LaTeX (\\ ^ _ { }), a ! or an EDGE (2i, v2, x^2, 3\\pi, 4!)."""
     runs = []
     for match in RUN_RE.finditer(text):
         around = text[max(match.start() - 1, 0):match.start()] + text[match.end():match.end() + 1]
@@ -1238,11 +1092,10 @@ def number_runs(text: str) -> list:
     return runs
 
 def last_number(text: str):
-    """--answer-from last-number's answer: the last number with the text around it, from the
-    number or '=' before it to the end; None without a number or when a letter touches it.
-    parse_number then reads it: '3 + 4 = 7.' is 7, '8, not 9' is 9, 'x ≥ 5' and '- 5' are
-    expressions. Answer and think tags count as spaces."""
-    text = re.sub(r"</?(?:think|answer)>", " ", unwrap(text))
+    """--answer-from last-number's answer: the last number and the text after it, from the
+    number or '=' before it; None without a number, or when something touches it. parse_number
+    then reads it: '3 + 4 = 7.' is 7, '8, not 9' is 9, 'x ≥ 5' and '- 5' are not numbers."""
+    text = re.sub(r"</?(?:think|answer)>", " ", unwrap(text))  # the tags are spaces here
     runs = list(RUN_RE.finditer(text))
     if not runs or number_runs(text)[-1] is None:
         return None
@@ -1251,12 +1104,75 @@ def last_number(text: str):
 
 def math_verify_equal(answer: str, reference: str) -> bool:
     """--answer-from math-verify: Hugging Face's math_verify reads the answer and the reference,
-    each as one LaTeX expression, and compares them. '60 km/h' is then 60 km/h, not 60."""
+    each as one LaTeX expression, and compares them. So '60 km/h' is 60 km/h, not 60."""
     from math_verify import parse, verify  # check_flags has made sure it is installed
     return verify(parse(f"${reference}$"), parse(f"${answer}$"))
 
 # -----------------------------------------------------------------------------
 # Flags, data files and models. Bad input stops the run with one line that names it.
+
+HERE = Path(__file__).resolve().parent
+SYSTEM_PROMPT = "reply <think>...</think><answer>...</answer>"
+
+def _opt(default, help, choices=None):
+    """A flag's default and help. A help that ends in a bound, such as [>= 1], is checked."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+@dataclass
+class Config:
+    """Every field is a command-line flag: --field-name."""
+    # model and data
+    model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
+    data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
+    test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
+    system_prompt: str = _opt(SYSTEM_PROMPT, "system message; '' for none (a template may add one)")
+    response_prefix: str = _opt("", "text the reply starts with, e.g. <think>: part of the prompt")
+    variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
+    # sampling
+    num_generations: int = _opt(8, "G: completions per prompt, or per phrasing (ta) [>= 1]")
+    prompts_per_step: int = _opt(16, "P: prompts per step [>= 1]")
+    max_new_tokens: int = _opt(32, "completion length limit; for ma the thought's [>= 1]")
+    temperature: float = _opt(1.0, "sampling temperature; the log-probs use the same [> 0]")
+    # GRPO-MA and TA-GRPO
+    num_thoughts: int = _opt(4, "K (ma): thoughts per prompt [>= 1]")
+    num_answers: int = _opt(4, "M (ma): answers per thought [>= 1]")
+    max_answer_tokens: int = _opt(24, "answer length limit (ma) [>= 1]")
+    ma_weighting: str = _opt("parts", "(ma) parts: a mean over the thoughts plus one over the "
+                             "answers; tokens: one mean over both", ["parts", "tokens"])
+    num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn each step [>= 1]")
+    ta_anchor: str = _opt("original", "(ta) context of the log-probs: q0 (the paper) or the "
+                          "rephrasing (public code)", ["original", "rephrased"])
+    # loss and optimisation
+    loss_type: str = _opt("dapo", "token aggregation as TRL's; DeepSeekMath's is grpo",
+                          ["grpo", "dr_grpo", "dapo"])
+    scale_rewards: str = _opt("group", "divide by the std; none: Dr. GRPO", ["group", "none"])
+    beta: float = _opt(0.0, "k3 KL coefficient; a reference is loaded only when > 0 [>= 0]")
+    epsilon: float = _opt(0.2, "clip range of the ratio, and its upper one by default [>= 0]")
+    epsilon_high: float | None = _opt(None, "upper clip range; DAPO's is 0.28 [>= 0]")
+    num_iterations: int = _opt(1, "mu: updates per sampled batch [>= 1]")
+    answer_from: str = _opt("tags", "the last <answer> tags, else the last \\boxed; the last "
+                            "number; or the tags' answer graded by math_verify, which reads "
+                            "LaTeX and units (pip install math-verify)",
+                            ["tags", "last-number", "math-verify"])
+    format_reward: float = _opt(0.0, "reward for one <think>..</think><answer>..</answer> [>= 0]")
+    lr: float = _opt(2e-4, "AdamW learning rate; ~1e-6 for real models [> 0]")
+    warmup_steps: int = _opt(10, "linear warmup over steps, then constant [>= 0]")
+    weight_decay: float = _opt(0.0, "AdamW weight decay [>= 0]")
+    max_grad_norm: float = _opt(1.0, "gradient clipping [> 0]")
+    micro_batch_size: int = _opt(64, "rows per forward/backward of the update [>= 1]")
+    steps: int = _opt(100, "training steps [>= 1]")
+    # eval, logging, checkpoints, runtime
+    eval_every: int = _opt(50, "eval every N steps; 0: only at start and end [>= 0]")
+    eval_samples: int = _opt(8, "samples per held-out question for pass@k [>= 1]")
+    eval_limit: int = _opt(0, "use only the first N held-out questions; 0: all [>= 0]")
+    log_completions: int = _opt(25, "every N steps, show a group as text; 0: off [>= 0]")
+    save_every: int = _opt(50, "checkpoint every N steps; 0: only at the end [>= 0]")
+    out: str = _opt("out", "run folder: metrics.jsonl, completions.jsonl, checkpoint, summary")
+    resume: bool = _opt(False, "continue the run in --out, or start it")
+    overwrite: bool = _opt(False, "replace a run already in --out (else such a folder stops it)")
+    seed: int = _opt(0, "seed for data order, sampling and init")
+    device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
+    gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
 
 class UserError(Exception):
     """A bad flag, data line or file: main() prints it as one line, without a traceback."""
@@ -1266,8 +1182,8 @@ def reason(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 def parse_args(argv=None) -> Config:
-    """Config from the command line, checked (check_flags). Local paths are made absolute, so that
-    a requeue started from another folder finds the same files."""
+    """Config from the command line, checked by check_flags. Local paths are made absolute, so
+    that a requeue started from another folder finds the same files."""
     parser = HfArgumentParser(Config, description="GRPO and variants.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
@@ -1278,21 +1194,20 @@ def parse_args(argv=None) -> Config:
     check_flags(cfg)
     return cfg
 
-BOUND_RE = re.compile(r"\[(>=?) (\S+)\]$")  # _opt's bound, at the end of a flag's help
+BOUND_RE = re.compile(r"\[(>=?) (\S+)\]$")  # a bound at the end of a flag's help
 
 def check_flags(cfg: Config):
-    """Each numeric flag within its declared bound, math_verify installed when asked for, and a
+    """Each flag within the bound its help ends with; math_verify installed if asked for; and a
     response prefix that cannot earn the reward: it holds no answer, and under ma no </think>."""
     for f in fields(cfg):
         value, bound = getattr(cfg, f.name), BOUND_RE.search(f.metadata["help"])
         if bound and value is not None:
-            op, limit, bound = *bound.groups(), bound.group()[1:-1]
-            within = value > float(limit) if op == ">" else value >= float(limit)
-            if not (within and math.isfinite(value)):
-                raise UserError(f"--{f.name.replace('_', '-')} {value}: must be {bound}")
+            op, limit = bound.groups()
+            if not (math.isfinite(value) and (value > float(limit) if op == ">" else
+                                              value >= float(limit))):
+                raise UserError(f"--{f.name.replace('_', '-')} {value}: must be {op} {limit}")
     if cfg.answer_from == "math-verify" and importlib.util.find_spec("math_verify") is None:
-        raise UserError("--answer-from math-verify needs Hugging Face's math_verify: "
-                        "pip install math-verify")
+        raise UserError("--answer-from math-verify needs math_verify: pip install math-verify")
     prefix = cfg.response_prefix
     if "</answer>" in prefix or boxed(prefix) is not None or (cfg.answer_from == "last-number"
                                                                and RUN_RE.search(prefix)):
@@ -1384,8 +1299,7 @@ def load_run(cfg: Config, device, checkpoint: Path | None):
     prefix = tokenizer(cfg.response_prefix, add_special_tokens=False, split_special_tokens=True)
     seen = tokenizer.decode(prefix.input_ids, clean_up_tokenization_spaces=False)
     if seen != cfg.response_prefix:  # the scorer reads the prefix as given: the model must too
-        raise UserError(f"--response-prefix {cfg.response_prefix!r}: the tokenizer reads it as "
-                        f"{seen!r}")
+        raise UserError(f"--response-prefix {cfg.response_prefix!r} reaches the model as {seen!r}")
     ref_model = None
     if cfg.beta > 0:  # the frozen starting policy
         ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
@@ -1428,24 +1342,17 @@ def prepare_out(cfg: Config) -> Path | None:
     return None
 
 def open_logs(cfg: Config, state: dict | None, rank: int):
-    """A function that appends one JSON line to metrics.jsonl; on ranks other than 0 it writes
-    nothing. A fresh run first removes an old run's files, now that its own checks passed. A
-    resumed one cuts the logs to their size at the checkpoint: what it redoes, and a line cut
-    short by a kill, is not there twice."""
+    """A function that appends one JSON line to metrics.jsonl, on rank 0 only. A fresh run first
+    removes an old run's files, now that its own checks passed. A resumed one cuts the logs to
+    their size at the checkpoint, so that what it redoes is not there twice."""
     if rank != 0:
         return lambda record: None
     out = Path(cfg.out)
-    if state is None:
-        for path in run_files(out):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-    else:
-        for name in LOGS:  # a log the checkpoint did not see (no size) is cut to nothing
-            if (out / name).exists():
-                size = state["logs"].get(name, 0)
-                os.truncate(out / name, min(size, (out / name).stat().st_size))
+    for path in run_files(out) if state is None else []:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for name in LOGS if state else []:  # a log the checkpoint did not see (no size) is cut to 0
+        if (out / name).exists():
+            os.truncate(out / name, min(state["logs"].get(name, 0), (out / name).stat().st_size))
     log = open(out / "metrics.jsonl", "a")
 
     def write(record: dict):
@@ -1474,11 +1381,12 @@ def save_or_stop(cfg: Config, done: int, caught: list, model, tokenizer, optimiz
     """After step `done`: rank 0 saves every --save-every steps and at the end. After a signal on
     any rank, every rank stops: rank 0 saves and prints one line, and no rank exits before it."""
     out, main_rank = Path(cfg.out), rank_and_world()[0] == 0
+    save = lambda: save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
     if main_rank and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-        save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+        save()
     if all_reduce([len(caught)])[0] and done < cfg.steps:  # on every rank
         if main_rank:  # nothing to write when this step was just saved
-            save_checkpoint(out, model, tokenizer, optimizer, scheduler, done, cfg)
+            save()
         all_reduce([0])  # no rank exits before the save: torchrun would stop rank 0 too
         message = (f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
                    f"saved in {out / f'checkpoint-{done}'}; continue with --resume")
@@ -1522,9 +1430,8 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
             entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
         else:
             completions.append(entries[i])
-    record = {"step": step, "question": question, "completions": completions}
     with open(Path(cfg.out) / "completions.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps({"step": step, "question": question, "completions": completions}) + "\n")
     lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
     for c in completions:
         extra = f"  1/|λ| {c['inv_lambda']:.2f}" if "inv_lambda" in c else ""
@@ -1538,10 +1445,8 @@ def report(cfg: Config, wall_s: float) -> dict:
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
     evals = [r["eval"] for r in records if "eval" in r]
     steps = [r for r in records if "time/step" in r]
-    phases = {}
-    if steps:
-        for key in ("time/sample", "time/update", "time/step"):
-            phases[key[5:]] = float(np.median([r[key] for r in steps]))
+    phases = {key[5:]: float(np.median([r[key] for r in steps])) for key in
+              ("time/sample", "time/update", "time/step")} if steps else {}
     before, after = evals[0], evals[-1]
     summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
                "wall_s": wall_s, "median_seconds_per_step": phases}
@@ -1553,7 +1458,7 @@ def report(cfg: Config, wall_s: float) -> dict:
     return summary
 
 def main(argv=None):
-    """The command line: bad flags, files or data stop with one line that names them."""
+    """The command line: bad flags, files or data stop with one line that names it."""
     try:
         return train(parse_args(argv))
     except UserError as e:
