@@ -1,5 +1,4 @@
-"""
-grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
+"""grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
     python grpo.py                     # GRPO on the tiny model in data/: CPU, offline, ~40 s
     python grpo.py --variant ma        # or lambda, ta
@@ -62,9 +61,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 from transformers import DynamicCache, HfArgumentParser
 
-# =============================================================================
-# Part I: the algorithm
-# =============================================================================
+# Part I: the algorithm =======================================================================
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch: paste it
 # alone into a file and its examples run.
 
@@ -90,8 +87,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
         adv = adv / (var.sqrt()[groups] + eps)
     elif scale != "none":
         raise ValueError(f"scale must be group or none, got {scale!r}")
-    high = torch.full_like(n, -math.inf).index_reduce(0, groups, rewards, "amax")
-    low = torch.full_like(n, math.inf).index_reduce(0, groups, rewards, "amin")
+    high = torch.full_like(n, -math.inf).scatter_reduce(0, groups, rewards, "amax")
+    low = torch.full_like(n, math.inf).scatter_reduce(0, groups, rewards, "amin")
     return torch.where(high[groups] == low[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
@@ -319,14 +316,13 @@ def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="
     return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
 
 # -----------------------------------------------------------------------------
-# 3. The sampler: each prompt is encoded once and its KV cache copied to its rows. It assumes
-# HF's decoder layout, model.model then model.lm_head, as in Qwen2/3 and Llama, and
-# transformers 5.24 or newer for its cache= argument.
+# 3. The sampler: each prompt is encoded once and its KV cache copied to its rows. It assumes HF's
+# decoder layout, model.model then model.lm_head (Qwen2/3, Llama), and transformers >= 5.24.
 
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
     """The token ids of a question in the chat template with the generation prompt, then the
     response prefix: the reply's first words, as DeepSeek-R1's template ends with <think>. The
-    prefix is tokenized alone, as plain text, and belongs to the prompt: never sampled or trained."""
+    prefix is tokenized alone, as plain text. It belongs to the prompt: never sampled or trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -357,9 +353,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
 def prefill(model, prompts: list[list[int]], pad_id: int):
     """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
     last token. The next pass takes the last token as input; its output predicts a new token."""
-    device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = (x.to(next(model.parameters()).device) for x in left_pad(prompts, pad_id))
     cache = DynamicCache()
     if ids.shape[1] > 1:
         run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
@@ -419,8 +413,10 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     return Samples(ids[:, :C], completion_mask, finished)
 
 # -----------------------------------------------------------------------------
-# 4. The rows every variant produces, and one rollout per variant. cfg is Part II's Config: each
-# field is a flag, so cfg.num_generations is --num-generations.
+# 4. The rows every variant produces, and one rollout per variant. A rollout samples and scores
+# this rank's share of a batch and returns (Rows, metrics). To add one, copy rollout_grpo and add
+# it to ROLLOUTS and to --variant's choices. cfg is Part II's Config: cfg.num_generations is the
+# flag --num-generations. A metric is a tensor; the log shows its mean over all ranks.
 
 @dataclass
 class Rows:
@@ -447,9 +443,8 @@ class Rows:
 
     def to(self, device) -> Rows:
         """The same rows with every tensor on `device`."""
-        return Rows(**{f.name: getattr(self, f.name).to(device)
-                       if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
-                       for f in fields(self)})
+        move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value
+        return Rows(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def context(self, i: int) -> list[int]:
         """Row i's context as token ids: its prompt, then its parent's completion."""
@@ -459,18 +454,13 @@ class Rows:
             ids += self.completion_ids[p][self.completion_mask[p].bool()].tolist()
         return ids
 
-# A rollout samples and scores one batch, this rank's share, and returns (Rows, metrics). To write
-# one, copy rollout_grpo; add it to ROLLOUTS and to --variant's choices. Part II's helpers here:
-# timed adds a block's seconds to metrics, sample_metrics gives what every rollout logs. A
-# metric is a tensor; the log shows the mean of its elements over all ranks.
-
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
     """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group.
     For lambda the rows carry 1/|λ| too. Both log how much a group's completions share."""
     G, metrics = cfg.num_generations, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
-    with timed(metrics, "time/sample"):
+    with timed(metrics, "time/sample"):  # Part II: adds the block's seconds to metrics
         s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
     ids, mask = s.completion_ids.cpu(), s.completion_mask.cpu()
     references = [ex["answer"] for ex in batch for _ in range(G)]
@@ -479,6 +469,7 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)  # also each row's group
     advantages = group_advantages(rewards, prompt_index, cfg.scale_rewards)
     inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()
+    # sample_metrics (Part II): reward, length and the like, which every rollout logs
     metrics.update(sample_metrics(rewards, advantages, prompt_index, len(batch), parsed, tagged, s),
                    lambda_mean=1 / inv_lambda[on],      # mean |λ| over tokens
                    lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
@@ -581,7 +572,6 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 # -----------------------------------------------------------------------------
 # 5. The log-probs and the update. update() takes a rollout's Rows, whichever variant made them.
 # Shapes for grpo with P = 2 prompts and G = 4: B = 8 rows, C = the longest completion.
-#
 #   Rows: 2 prompts, prompt_index (8,), completion_ids (8, C), advantages (8,)
 #     -> global_loss_weights: w (8, C), each token's weight in J over every rank's rows
 #     -> micro-batches of b rows: log-probs (b, C) -> policy_loss -> backward
@@ -629,8 +619,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
     w counts the whole batch, so a micro-batch's loss is its piece of -J; backward() adds up the
     pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0, come first. Train
-    mode: Qwen and Llama have no dropout; turn off a model's own. test_update_works_one_grpo_step_
-    by_hand works a step by hand: rewards, A, w, the loss and its gradient."""
+    mode: Qwen and Llama have no dropout; turn off a model's own. A whole step worked by hand,
+    rewards, A, w, the loss and its gradient: test_update_works_one_grpo_step_by_hand."""
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows; a thought stays with its answers
@@ -723,8 +713,7 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
     n = --eval-samples samples per question at the training temperature; format is the share
     with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
     c % W, as one process would. GRPO-MA samples one plain completion of both limits."""
-    n = cfg.eval_samples
-    rank, W = rank_and_world()
+    n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     size = max(1, max_rows // n)
     greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
@@ -758,11 +747,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
-# =============================================================================
-# Part II: the machinery. It makes Part I's computation fast, scalable and safe: shared contexts
-# encoded once, the strict number reader, sums over ranks and micro-batches, flags and data files,
-# checkpoints, resume and signals, and what a run shows. A first read can stop here.
-# =============================================================================
+# Part II: the machinery ======================================================================
+# It makes Part I's computation fast, scalable and safe: shared contexts encoded once, the strict
+# number reader, sums over ranks and micro-batches, flags and data files, checkpoints, resume and
+# signals, and what a run shows. A first read can stop here.
+
 # The shared-prefix log-probs: plain_logps' numbers, each shared context encoded once.
 
 @dataclass
@@ -788,9 +777,8 @@ def rows_logps(model, rows: Rows, temperature: float):
         thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
         answer    t2 a1     p1 p2 p3 t1      a1 a2      -
 
-    A row shorter than its pass leaves padding inside the cache, masked: positions count real
-    tokens only. `pytest test_grpo.py -k shared_prefix` checks values and gradients against
-    plain_logps for every variant."""
+    A row shorter than its pass leaves masked padding inside the cache. `pytest test_grpo.py -k
+    shared_prefix` checks values and gradients against plain_logps for every variant."""
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
@@ -875,14 +863,14 @@ def select_rows(rows: Rows, index: torch.Tensor) -> Rows:
 # Sums over micro-batches and ranks, the metrics, and the guards of sampling and the update.
 
 class UpdateLog:
-    """update()'s metrics. The loss is summed over the micro-batches. policy_loss's metrics are
-    token means, so each is weighted by its micro-batch's share of the tokens. All are averaged
-    over the μ passes and summed over the ranks."""
+    """update()'s metrics: the loss summed over micro-batches, policy_loss's token means weighted
+    by each micro-batch's share of the tokens; each averaged over μ and summed over the ranks."""
 
     def __init__(self, micro: list[Rows], tokens: int, cfg: Config):
         self.shares = [m.completion_mask.sum().item() / max(tokens, 1) for m in micro]
         self.passes, self.tokens, self.grad_norms = cfg.num_iterations, tokens, []
-        self.totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta), 0.0)
+        keys = ["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta)
+        self.totals = dict.fromkeys(keys, 0.0)
 
     def add(self, j: int, loss, metrics: dict):
         self.totals["loss"] += loss.item() / self.passes
@@ -1005,8 +993,7 @@ def sum_gradients(model):
 
 # -----------------------------------------------------------------------------
 # The number reader of score. An answer is a number only when one number stands alone in it once
-# the known wrappers are gone: a false positive is worse than a miss, since the policy is trained
-# toward it. test_grpo.py's tables hold what it reads and what it refuses.
+# the wrappers are gone: a false positive is worse than a miss, as the policy is trained toward it.
 
 TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
 FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
@@ -1413,9 +1400,8 @@ def signals_caught():
 # What a run shows: a group as text now and then, and the summary at the end.
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
-    """--log-completions: the rows of the batch's first prompt with reward, advantage and, for
-    λ-GRPO, mean 1/|λ|, in completions.jsonl and a table. GRPO-MA shows thoughts with their
-    answers; TA under --ta-anchor rephrased shows q0's G only."""
+    """--log-completions: the first prompt's rows with reward, advantage and mean 1/|λ|, in a table
+    and completions.jsonl. MA lists answers under thoughts; TA's rephrased anchor shows q0's G."""
     shown = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     entries, completions = {}, []

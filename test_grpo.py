@@ -66,8 +66,13 @@ def text_rows(tok, prompts, texts, **fields):
 # Advantages
 
 
+def groups_of(size, n):
+    """The group ids of n rows in consecutive groups of `size`: 0, 0, ..., 1, 1, ..."""
+    return torch.arange(n) // size
+
+
 def test_group_advantages_worked_example():
-    adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 0]), 4)
+    adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 0]), groups_of(4, 4))
     # mean 0.25, unbiased std 0.5: 0.75 / 0.5001 and -0.25 / 0.5001
     assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]) / 0.5001)
     assert torch.allclose(adv, torch.tensor([1.4997, -0.4999, -0.4999, -0.4999]), atol=1e-4)
@@ -75,18 +80,23 @@ def test_group_advantages_worked_example():
 
 def test_group_advantages_groups_scales_and_constant_groups():
     r = torch.tensor([1.0, 0, 0.7, 0.7, 0.7, 0.7])
-    adv = grpo.group_advantages(r, 2)
+    adv = grpo.group_advantages(r, groups_of(2, 6))
     assert torch.allclose(adv[:2], torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
     assert torch.equal(adv[2:], torch.zeros(4))  # one value per group -> exactly 0, not noise / eps
-    none = grpo.group_advantages(torch.tensor([3.0, 1.0]), 2, scale="none")
+    none = grpo.group_advantages(torch.tensor([3.0, 1.0]), groups_of(2, 2), scale="none")
     assert torch.equal(none, torch.tensor([1.0, -1.0]))
 
 
-def test_group_advantages_ignore_missing_rows():
-    r = torch.tensor([1.0, 0.0, math.nan, math.nan])
-    adv = grpo.group_advantages(r, 4)
-    assert torch.allclose(adv[:2], grpo.group_advantages(torch.tensor([1.0, 0.0]), 2))
-    assert adv[2:].isnan().all()
+def test_group_advantages_of_groups_of_any_size_in_any_order():
+    """Groups are ids, not consecutive runs: sizes 2, 3 and 1, interleaved. Each group as if alone; one row: 0."""
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([1, 0, 2, 1, 0, 0])
+    adv = grpo.group_advantages(r, groups)
+    for g in range(3):
+        alone = r[groups == g]
+        expected = (alone - alone.mean()) / (alone.std() + 1e-4) if len(alone) > 1 else torch.zeros(1)
+        assert torch.allclose(adv[groups == g], expected), g
+    assert adv[2] == 0.0  # the group of one
 
 # -----------------------------------------------------------------------------
 # Loss
@@ -174,6 +184,59 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
     per_token = torch.tensor([[1.0, 1, 0, 0], [2, 2, 2, 2]]) + 0.1 * k3
     assert loss.item() == pytest.approx(((per_token * weights).sum() / 6).item(), abs=1e-6)
 
+def test_section_1_runs_alone_with_math_and_torch(tmp_path):
+    """Section 1 pasted alone into a file that imports only math and torch: every function's example runs."""
+    import doctest
+    import importlib.util
+    src = (HERE / "grpo.py").read_text()
+    section = src[src.index("# 1. The schemes and the loss"):src.index("# 2. The reward")]
+    (tmp_path / "section1.py").write_text("import math\nimport torch\n\n" + section)
+    spec = importlib.util.spec_from_file_location("section1", tmp_path / "section1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = ["group_advantages", "ma_advantages", "ta_advantages", "lambda_weights", "aggregation_weights",
+             "policy_loss"]
+    assert sorted(n for n in vars(module) if callable(vars(module)[n]) and n[0] != "_") == sorted(names)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for name in names:
+        [test] = finder.find(getattr(module, name), name, globs={"math": math, "torch": torch, name: getattr(module, name)})
+        assert test.examples, name
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries >= len(names)
+
+
+def test_update_works_one_grpo_step_by_hand(tiny):
+    """One prompt, four completions, reference 7: rewards 1, 0, 0, 1 (score). Mean 0.5, unbiased std sqrt(1/3):
+    A = ±0.5 / (0.57735 + 1e-4) = ±0.86588. Lengths 4, 4, 2, 4 with EOS: 14 tokens, so w = 1/14 (dapo). At μ = 1
+    the ratio is 1, the loss is -Σ w A = -(4a - 4a - 2a + 4a) / 14 = -a / 7, and ∂loss/∂logp_it = -w A_i. The
+    gradient update() applies is Σ ∂loss/∂logp_it ∇ logp_it, taken here from plain forward passes."""
+    model, tok = tiny
+    prompt = grpo.prompt_ids(tok, "3+4=", grpo.SYSTEM_PROMPT)
+    texts = ["<answer>7</answer>", "<answer>8</answer>", "x", "<answer>7</answer>"]
+    rewards = torch.tensor([grpo.score(t, "7", True)[0] for t in texts])
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    A = grpo.group_advantages(rewards, torch.zeros(4, dtype=torch.long))
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert A.tolist() == pytest.approx([a, -a, -a, a], abs=1e-6) and a == pytest.approx(0.86588, abs=1e-5)
+    rows = text_rows(tok, [prompt], texts, advantages=A)
+    assert rows.completion_mask.sum(1).tolist() == [4, 4, 2, 4]
+    dloss_dlogp = -A[:, None] * rows.completion_mask / 14  # -w A on every token
+    expected = torch.autograd.grad((dloss_dlogp * grpo.plain_logps(model, rows, 1.0)).sum(), list(model.parameters()))
+
+    class Capture:  # an optimizer that keeps the gradient it is asked to apply
+        def step(self):
+            self.grads = [p.grad.clone() for p in model.parameters()]
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=set_to_none)
+    optimizer = Capture()
+    metrics = grpo.update(model, None, optimizer, rows, grpo.Config(max_grad_norm=1e9))
+    assert torch.allclose(rows.loss_weights, rows.completion_mask / 14)
+    assert metrics["loss"] == pytest.approx(-a / 7, abs=1e-6) and metrics["tokens"] == 14
+    for got, want in zip(optimizer.grads, expected):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+    assert max(g.abs().max() for g in expected) > 1e-3  # a gradient that is not 0
+
 # -----------------------------------------------------------------------------
 # Rewards and pass@k
 
@@ -196,6 +259,8 @@ def test_token_weights_scale_policy_and_kl_not_normaliser():
     ("<think><answer>84</answer></think><answer>85</answer>", 1.0, True),
     ("<think>x</think><", 0.0, False),
     ("<think>x <answer>85</answer>", 0.0, False),                    # a thought that never closes holds no answer
+    ("First \\boxed{85}; so \\boxed{\\frac{\\sqrt{x^{2}+1}}{3}}", 0.0, False),  # the last box, however deep
+    ("so \\boxed{85} or \\boxed{\\frac{1}{2", 0.0, False),             # the last box never closes: no answer
 ])
 def test_score(text, reward, parsed):
     assert grpo.score(text, "85", finished=True) == (reward, parsed)
@@ -218,6 +283,9 @@ GRADER_CASES = [
     ("18eggs", "18", 0.0),                                                 # a unit not set apart
     ("3 \\pi", "3", 0.0), ("x ^ 2", "2", 0.0),                              # LaTeX left in the answer
     ("50\\%", "50", 1.0), ("+85.0", "85", 1.0), ("\\boxed{5\\text{ cm}}", "5", 1.0),
+    ("5\\,\\text{cm}", "5", 1.0), ("90^\\circ", "90", 1.0), ("90^{\\circ}", "90", 1.0), ("90°", "90", 1.0),
+    ("60 km/h", "60", 0.0), ("42 m^2", "42", 0.0),                          # units with / or ^: not read
+    ("\\boxed{\\frac{\\sqrt{x^{2}+1}}{3}}", "\\frac{\\sqrt{x^{2}+1}}{3}", 1.0),  # a box nested 3 deep
 ]
 
 # A number that touches a letter, a backslash command, ^, _, ! or braces is part of an expression, not that
@@ -235,12 +303,19 @@ NOT_THE_NUMBER = [("x+5", "5"), ("5-x", "5"), ("x/2", "2"), ("3/x", "3"), ("5*x"
                   ("\\sqrt{\\boxed{2}}", "2"), ("√2", "2"), ("sqrt(2)", "2"), ("±5", "5"), ("x ≥ 5", "5"),
                   ("x ≠ 5", "5"), ("≈ 3", "3"), ("2\\frac{1}{3}", "7"), ("2\\frac{1}{3}", "21/3"), ("\\frac{1}{2}3", "1/23"),
                   ("5 ½", "5"), ("0,005", "5"), ("(0,100)", "100"), ("100", "[0,100]"), ("5⁻¹", "5"), ("(-5)²", "-5"),
-                  ("|−5|", "-5"), ("-(-5)", "-5")]
+                  ("|−5|", "-5"), ("-(-5)", "-5"),
+                  # found at c8732ce (issue 31): unwrapping set apart a letter that touches the number
+                  ("\\frac{1}{2}x", "0.5"), ("\\boxed{5}x", "5"), ("5\\text{x}", "5"), ("\\text{x}5", "5"),
+                  ("x**2", "2"), ("0.5", "y = \\frac{1}{2}x"), ("\\boxed{2}\\boxed{3}", "23"),
+                  ("2\\frac{1}{2}", "0.5"), ("2\\frac{1}{2}", "2.5"), ("x \\neq 5", "5")]
 
 
 @pytest.mark.parametrize("answer,reference", NOT_THE_NUMBER)
 def test_an_answer_around_a_number_is_not_that_number(answer, reference):
+    """In both modes. Last-number mode reads the last number, so of two numbers it takes the second."""
     assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True)[0] == 0.0
+    if answer != "\\boxed{3} or \\boxed{5}":
+        assert grpo.score(f"so {answer}", reference, True, answer_from="last-number")[0] == 0.0
 
 
 @pytest.mark.parametrize("first,second", EXPRESSIONS)
@@ -263,6 +338,10 @@ def test_score_reads_answers_as_graders_do(answer, reference, reward):
     ("eight", 0.0, False), ("3,5", 0.0, False),                    # no number / a malformed one
     ("<think>8</think>so 3 + 4 = 7", 0.0, True), ("<think>8", 0.0, False),  # only after the thought
     ("so \\boxed{8}", 1.0, True), ("$\\frac{16}{2}$.", 1.0, True),
+    ("x = -8", 0.0, True), ("so -8", 0.0, True), ("so – 8", 0.0, False), ("so –8", 0.0, False),  # the sign
+    ("so - 8", 0.0, False), ("±8", 0.0, False), ("x ≠ 8", 0.0, False), ("x ≥ 8", 0.0, False),
+    ("so 8 - x", 0.0, False), ("2+8", 0.0, False), ("2 + 8", 0.0, False), ("so 2\\frac{1}{8}", 0.0, False),
+    ("3 apples and 5 pears, 8 in all.", 1.0, True), ("x = 8", 1.0, True), ("16/2", 1.0, True),
 ])
 def test_score_last_number_mode(text, reward, parsed):
     assert grpo.score(text, "8", True, answer_from="last-number") == (reward, parsed)
@@ -294,6 +373,47 @@ def test_score_negatives_fractions_and_unfinished():
     assert grpo.score(" <think>a\nb</think>\n\n<answer>2</answer>\n", "2", True, format_reward=0.1) == (1.1, True)
     assert grpo.score("<answer>1</answer>", "2", True, format_reward=0.1) == (0.0, True)
     assert grpo.score(shaped, "1", False, format_reward=0.1) == (0.0, True)  # unfinished: no shape reward either
+
+
+# Where math_verify 0.9.0 (--answer-from math-verify) and the default reader disagree on the tables above:
+# (answer, reference, default reward, math_verify's). It reads the answer as one LaTeX expression, so words
+# become symbols ('18 eggs' is 18·e·g·g·s) and a \\boxed{} inside it is what it reads ('\\boxed{5}^2' is 5); it is
+# right where equality is symbolic ('\\sqrt[3]{8}' is 2, '2\\frac{1}{2}' is 5/2).
+MATH_VERIFY_DIFFERS = [
+    ("18 eggs", "18", 1.0, 0.0), ("**18**", "18", 1.0, 0.0), ("x = -\\boxed{5}", "5", 0.0, 1.0),
+    ("\\boxed{5}^2", "5", 0.0, 1.0), ("\\sqrt{\\boxed{2}}", "2", 0.0, 1.0), ("≈ 3", "3", 0.0, 1.0),
+    ("5 ½", "5", 0.0, 1.0), ("5⁻¹", "5", 0.0, 1.0), ("\\boxed{5}x", "5", 0.0, 1.0), ("5\\text{x}", "5", 0.0, 1.0),
+    ("2\\frac{1}{2}", "2.5", 0.0, 1.0), ("2", "\\sqrt[3]{8}", 0.0, 1.0), ("\\sqrt[3]{8}", "2", 0.0, 1.0)]
+
+
+def test_math_verify_reads_the_tables_and_differs_where_recorded():
+    pytest.importorskip("math_verify", reason="the test command installs math-verify")
+    pairs = ([(a, r) for a, r, _ in GRADER_CASES] + NOT_THE_NUMBER + EXPRESSIONS + [(r, a) for a, r in EXPRESSIONS])
+    differs = []
+    for answer, reference in pairs:
+        text = f"<think>x</think><answer>{answer}</answer>"
+        ours, theirs = grpo.score(text, reference, True)[0], grpo.score(text, reference, True, answer_from="math-verify")[0]
+        if ours != theirs:
+            differs.append((answer, reference, ours, theirs))
+    assert differs == MATH_VERIFY_DIFFERS
+    for text, reward in [("<think>x</think><answer>60 km/h</answer>", 0.0), ("\\boxed{\\frac{2}{4}}", 1.0),
+                         ("<answer>\\frac{1}{2}x</answer>", 0.0), ("<answer>x \\neq 0.5</answer>", 0.0),
+                         ("<think><answer>0.5</answer></think>", 0.0)]:  # only after the thought, as every mode
+        assert grpo.score(text, "0.5" if "60" not in text else "60", True, answer_from="math-verify")[0] == reward, text
+    assert grpo.score("<answer>0.5</answer>", "1/2", False, answer_from="math-verify") == (0.0, True)  # unfinished
+
+
+def test_math_verify_trains_and_without_the_package_stops_with_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("math_verify", reason="the test command installs math-verify")
+    assert run(*SMALL, "--steps", "1", "--answer-from", "math-verify", "--out", str(tmp_path / "run")) is None
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert 0 < line["reward"] <= 1
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else find_spec(name, *a))
+    stop = run("--answer-from", "math-verify", "--out", str(tmp_path / "other"))
+    assert stop == "grpo.py: error: --answer-from math-verify needs math_verify: pip install math-verify"
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize("text,reward", [
@@ -909,6 +1029,7 @@ def write(tmp_path, name, text):
     ('{"question": "1+1=", "answer": "2", "rephrasings": ["x", ""]}\n', ":1: field 'rephrasings' must be a list"),
     ('[1, 2]\n', ":1: expected a JSON object"),
     ('\n', ": no examples"),
+    pytest.param('[' * 100_000 + '\n', ":1: maximum recursion depth exceeded", id="deep nesting"),  # not a traceback
 ])
 def test_bad_data_stops_with_file_line_and_field(tmp_path, text, message):
     path = write(tmp_path, "bad.jsonl", text)
@@ -930,6 +1051,69 @@ def test_bad_flags_stop_with_one_line(flags, message, tmp_path):
     out = [] if "--out" in flags else ["--out", str(tmp_path / "run")]  # not ./out: a user's run may be there
     stop = run(*flags, *out)
     assert message in stop and "\n" not in stop
+
+
+# Each numeric flag declares its bound in its help; at c8732ce these crashed after the step-0 eval, or trained
+# wrong without a word (a negative --max-grad-norm or warmup trains backwards, --eval-limit -1 drops a question).
+BAD_VALUES = [("--num-generations", "0"), ("--prompts-per-step", "0"), ("--temperature", "0"), ("--temperature", "-1"),
+              ("--num-answers", "0"), ("--num-thoughts", "0"), ("--max-new-tokens", "0"), ("--max-answer-tokens", "0"),
+              ("--eval-samples", "0"), ("--warmup-steps", "-1"), ("--warmup-steps", "-2"), ("--beta", "-1"),
+              ("--max-grad-norm", "-1"), ("--max-grad-norm", "0"), ("--eval-limit", "-1"), ("--steps", "0"),
+              ("--lr", "nan"), ("--lr", "0"), ("--lr", "inf"), ("--epsilon", "-0.1"), ("--epsilon-high", "-1"),
+              ("--num-iterations", "0"), ("--micro-batch-size", "0"), ("--weight-decay", "-1"),
+              ("--num-rephrasings", "0"), ("--eval-every", "-1"), ("--save-every", "-1"),
+              ("--log-completions", "-1"), ("--format-reward", "-1"), ("--beta", "nan")]
+
+
+@pytest.mark.parametrize("flag,value", BAD_VALUES)
+def test_a_flag_out_of_its_bound_stops_before_anything_loads(flag, value, tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo, "load_model", lambda *a: pytest.fail("the model loaded"))
+    stop = run(flag, value, "--out", str(tmp_path / "run"))
+    assert re.fullmatch(rf"grpo.py: error: {flag} [-\w.]+: must be >=? [0-9.]+", stop), stop
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_corrected_command_runs_in_the_same_folder(tmp_path):
+    out = str(tmp_path / "run")
+    assert "must be >= 1" in run(*SMALL, "--steps", "1", "--num-generations", "0", "--out", out)
+    assert "reaches the model as '<think>ello orld'" in run(*SMALL, "--steps", "1", "--response-prefix",
+                                                             "<think>Hello World", "--out", out)
+    assert run(*SMALL, "--steps", "1", "--response-prefix", "<think>", "--out", out) is None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--response-prefix", "<answer>77</answer>"], "holds an answer"),
+    (["--response-prefix", "<think></think><answer>77</answer>", "--format-reward", "0.5"], "holds an answer"),
+    (["--response-prefix", "so \\boxed{77}"], "holds an answer"),
+    (["--response-prefix", "<think>77", "--answer-from", "last-number"], "holds an answer"),
+    (["--response-prefix", "<think>ok</think>", "--variant", "ma"], "closes the thought"),
+])
+def test_a_response_prefix_never_earns_the_reward(flags, message, tmp_path, monkeypatch):
+    """At c8732ce a prefix that held the answer earned reward 1 for every lone EOS, in training and the eval."""
+    data = write(tmp_path, "77.jsonl", '{"question": "1+76=", "answer": "77", "rephrasings": ["76+1="]}\n' * 4)
+    monkeypatch.setattr(grpo, "load_model", lambda *a: pytest.fail("the model loaded"))
+    stop = run(*flags, "--data", data, "--test-data", data, "--out", str(tmp_path / "run"))
+    assert message in stop and "\n" not in stop and not (tmp_path / "run").exists()
+
+
+def test_a_response_prefix_may_open_what_the_model_closes(tiny):
+    """A prefix that opens the thought or the answer is allowed: the answer then ends in the completion."""
+    for prefix in ("<think>", "<answer>", "\\boxed{"):
+        assert grpo.parse_args(["--response-prefix", prefix]).response_prefix == prefix
+    tok = tiny[1]
+    rows = text_rows(tok, [[0]], ["7</answer>", "x"])
+    samples = grpo.Samples(rows.completion_ids, rows.completion_mask, torch.ones(2, dtype=torch.bool))
+    rewards, _, tagged = grpo.score_batch(tok, samples, ["7", "7"], before="<think>x</think><answer>")
+    assert rewards.tolist() == [1.0, 0.0] and tagged.tolist() == [True, False]
+
+
+def test_a_response_prefix_is_text_not_control_tokens(tiny):
+    """'<eos>' in a prefix reaches the tiny model as the five characters, not as its EOS token."""
+    tok = tiny[1]
+    plain = grpo.prompt_ids(tok, "1+1=", "")
+    ids = grpo.prompt_ids(tok, "1+1=", "", "<eos><think>")
+    assert ids[:len(plain)] == plain and tok.eos_token_id not in ids[len(plain):]
+    assert tok.decode(ids[len(plain):]) == "<eos><think>" and ids[-1] == tok.convert_tokens_to_ids("<think>")
 
 
 def test_shipped_data_is_valid_and_held_out():
@@ -1502,7 +1686,7 @@ def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0
         rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
         mask = torch.ones(G, depth)
         weights = dapo(mask) * grpo.lambda_weights(paths, mask, G) if lam else dapo(mask)
-        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, G), mask, weights)
+        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, groups_of(G, len(rewards))), mask, weights)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -1544,9 +1728,22 @@ def test_bench_binary_tree_table(request):
 # GRPO-MA
 
 
+def ma_dense(rewards, scale="group"):
+    """ma_advantages of a (P, K, M) reward grid, NaN where a thought has no answers, back as grids:
+    (thought (P, K), answer (P, K, M) with NaN for the missing, values (P, K))."""
+    P, K, M = rewards.shape
+    flat = rewards.reshape(P * K, M)
+    exists = ~flat.isnan()
+    answer_thought = exists.nonzero()[:, 0]  # row-major: thought by thought
+    thought, answer, values = grpo.ma_advantages(flat[exists], answer_thought, groups_of(K, P * K), scale)
+    grid = torch.full((P * K, M), math.nan)
+    grid[exists] = answer
+    return thought.view(P, K), grid.view(P, K, M), values.view(P, K)
+
+
 def test_ma_advantages_worked_example():
     # thought 0: answers all right; thought 1: half; thought 2: none
-    thought, answer, values = grpo.ma_advantages(torch.tensor([[[1.0, 1], [1, 0], [0, 0]]]))
+    thought, answer, values = ma_dense(torch.tensor([[[1.0, 1], [1, 0], [0, 0]]]))
     # V = [1, .5, 0]: mean .5, unbiased std .5
     assert values.tolist() == [[1.0, 0.5, 0.0]]
     assert torch.allclose(thought, torch.tensor([[0.5, 0, -0.5]]) / 0.5001)
@@ -1554,14 +1751,14 @@ def test_ma_advantages_worked_example():
     s = math.sqrt(0.3) + 1e-4
     assert torch.allclose(answer, torch.tensor([[[0.5, 0.5], [0.5, -0.5], [-0.5, -0.5]]]) / s)
     # every thought has the same value: no thought signal, but the answers still differ
-    thought, answer, _ = grpo.ma_advantages(torch.tensor([[[1.0, 0], [0, 1]]]))
+    thought, answer, _ = ma_dense(torch.tensor([[[1.0, 0], [0, 1]]]))
     assert torch.equal(thought, torch.zeros(1, 2))
     assert torch.allclose(answer, torch.tensor([[[0.5, -0.5], [-0.5, 0.5]]]) / (math.sqrt(1 / 3) + 1e-4))
 
 
 def test_ma_unanswered_thoughts_are_missing_not_zero():
     # thought 0 answered [1, 0]; thought 1 never closed, so it has no answers
-    thought, answer, values = grpo.ma_advantages(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
+    thought, answer, values = ma_dense(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
     # V = [0.5, 0]: mean 0.25, unbiased std 0.3536
     assert values.tolist() == [[0.5, 0.0]]
     assert torch.allclose(thought, torch.tensor([[0.25, -0.25]]) / (math.sqrt(0.125) + 1e-4))
@@ -1575,7 +1772,7 @@ def test_ma_with_one_answer_is_grpo():
     """M = 1: a thought's value is its one answer's reward, and both advantages are GRPO's over the K rewards.
     Prompt 0: rewards [1, 0, 1, 1], mean 0.75, unbiased std 0.5; prompt 1: all 0 -> exactly 0."""
     r = torch.tensor([[1.0], [0], [1], [1], [0], [0], [0], [0]]).view(2, 4, 1)
-    thought, answer, values = grpo.ma_advantages(r)
+    thought, answer, values = ma_dense(r)
     expected = torch.tensor([[0.25, -0.75, 0.25, 0.25], [0, 0, 0, 0]]) / torch.tensor([[0.5001], [1.0]])
     assert torch.allclose(thought, expected) and torch.allclose(answer[..., 0], expected)
     assert torch.equal(values, r[..., 0]) and torch.equal(thought[1], torch.zeros(4))
@@ -1613,7 +1810,7 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny, scale):
                           skip_special_tokens=True)
         finished = rows.completion_ids[row][int(rows.completion_mask[row].sum()) - 1] == tok.eos_token_id
         rewards[k, a % M] = grpo.score(text, batch[k // K]["answer"], bool(finished))[0]
-    thought_adv, answer_adv, _ = grpo.ma_advantages(rewards.view(P, K, M), scale)
+    thought_adv, answer_adv, _ = ma_dense(rewards.view(P, K, M), scale)
     assert torch.allclose(rows.advantages[:P * K], thought_adv.reshape(-1))
     assert torch.allclose(rows.advantages[P * K:], answer_adv.reshape(-1, M)[closed].reshape(-1))
 
@@ -1628,7 +1825,7 @@ def test_ma_thought_advantage_variance_falls_as_one_over_m_with_a_floor_in_k():
     def variance(K, M, trials=4000):
         p = torch.linspace(0.05, 0.95, K)
         r = (torch.rand(trials, K, M, generator=g) < p[None, :, None]).float()
-        thought = grpo.ma_advantages(r)[0]
+        thought = ma_dense(r)[0]
         return thought.var(0).mean().item()  # across draws, averaged over the thoughts
 
     by_m = [variance(8, M) for M in (1, 2, 4, 8, 16, 32)]
@@ -1645,13 +1842,13 @@ def test_ma_thought_advantage_variance_falls_as_one_over_m_with_a_floor_in_k():
 
 def test_ta_advantages_worked_example_and_pooling():
     r = torch.tensor([[[1.0, 1], [0, 1]]])  # q0 all correct, the rephrasing mixed
-    adv = grpo.ta_advantages(r)
-    assert torch.allclose(adv, torch.tensor([[[0.25, 0.25], [-0.75, 0.25]]]) / 0.5001)
-    assert torch.equal(grpo.group_advantages(r[0, 0], 2), torch.zeros(2))  # plain GRPO: no signal
-    ragged = torch.tensor([[[1.0, 1], [0, 1]], [[1.0, 0], [math.nan, math.nan]]])
-    out = grpo.ta_advantages(ragged)
-    assert torch.allclose(out[0], adv[0]) and out[1, 1].isnan().all()
-    assert torch.allclose(out[1, 0], grpo.group_advantages(torch.tensor([1.0, 0]), 2))
+    adv = grpo.ta_advantages(r.flatten(), torch.zeros(4, dtype=torch.long))
+    assert torch.allclose(adv, torch.tensor([0.25, 0.25, -0.75, 0.25]) / 0.5001)
+    assert torch.equal(grpo.group_advantages(r[0, 0], groups_of(2, 2)), torch.zeros(2))  # plain GRPO: no signal
+    # a ragged pool: question 0 with one rephrasing, question 1 with none
+    out = grpo.ta_advantages(torch.tensor([1.0, 1, 0, 1, 1, 0]), torch.tensor([0, 0, 0, 0, 1, 1]))
+    assert torch.allclose(out[:4], adv)
+    assert torch.allclose(out[4:], grpo.group_advantages(torch.tensor([1.0, 0]), groups_of(2, 2)))
 
 
 @pytest.mark.parametrize("anchor", ["original", "rephrased"])
@@ -1793,6 +1990,15 @@ def test_real_tokenizers_split_the_tags_as_the_issue_says(qwen):
         assert qwen_pieces(qwen, "</think>\n\n<answer>")[:3] == ["</", "think", ">\n\n"]
     else:
         assert pieces[0] == "<think>" and pieces[6:8] == ["</think>", "<"]
+
+
+def test_real_prefix_with_a_special_token_name_is_text(qwen):
+    """'<|im_end|>' in a response prefix is text to the model, so no fake turn can be injected."""
+    tok = transformers.AutoTokenizer.from_pretrained(qwen)
+    plain = grpo.prompt_ids(tok, "1+1=", "")
+    ids = grpo.prompt_ids(tok, "1+1=", "", "<|im_end|><|im_start|>user")
+    assert not set(ids[len(plain):]) & set(QWEN_EOS + [tok.convert_tokens_to_ids("<|im_start|>")])
+    assert tok.decode(ids[len(plain):]) == "<|im_end|><|im_start|>user"
 
 
 def test_real_chat_template_with_and_without_a_system_prompt(qwen):
@@ -2116,7 +2322,7 @@ def ddp_worker(rank, world, port, out):
     result = {"metrics": rollout_and_eval_metrics(rank, world)}
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
-        share = rows.select(torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
+        share = grpo.select_rows(rows, torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world))
         result[loss_type] = model.state_dict(), grpo.update(model, ref, opt, share, cfg)
     try:
         grpo.load_data(grpo.Config(data=f"{out}/one.jsonl"))
