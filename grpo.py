@@ -19,9 +19,10 @@ One GRPO step, as train_step and update run it:
         loss = -Σ_it w_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) + β Σ_it w_it KL_it
         loss.backward(); clip the gradient norm; optimizer.step()     update
 
-KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 is Schulman's k3 estimator of the KL
-divergence to a frozen reference. The default takes one update per batch: μ = 1. Then π_old is π
-itself, so ρ = 1 and nothing is clipped. The gradient is the policy gradient -Σ w A ∇ log π.
+    KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1      Schulman's k3, to a frozen copy
+
+The default takes one update per batch: μ = 1. Then π_old is π itself, so ρ = 1 and nothing is
+clipped. The gradient is the policy gradient -Σ w A ∇ log π.
 
 The variants change the advantages A, the weights w and the contexts:
 
@@ -40,10 +41,10 @@ There is no LoRA: the reference is a full copy. GRPO-MA's unclosed thoughts get 
 value 0; its two loss parts are our reading, since the paper publishes no weighting. TA-GRPO's
 rephrasings come from the data file. The learning rate warms up, then stays constant.
 
-Part I is the algorithm, complete for every variant: 1 the schemes and the loss, 2 the reward,
-3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the loop and the
-eval. Part II is the machinery that makes the same computation fast, scalable and safe. Where
-Part I calls a piece of Part II, a comment says what it does.
+Part I is the algorithm, complete for every variant. Its sections: 1 the schemes and the loss,
+2 the reward, 3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the
+loop and the eval. Part II is the machinery that makes the same computation fast, scalable and
+safe. Where Part I calls a piece of Part II, a comment says what it does.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
         A(th)   = V(th) normalised over the K thoughts of its prompt
         A(ans)  = r(ans) normalised over all K·M answers of its prompt, not per thought
 
-    rewards (A,) are the answers'. answer_thought (A,) is each answer's thought, and
-    thought_prompt (T,) each thought's prompt. Returns (A(th) (T,), A(ans) (A,), V (T,)).
+    The inputs are the answers' rewards, each answer's thought and each thought's prompt. It
+    returns the thoughts' A, the answers' A and V.
 
         prompt -+- thought 0 -+- answer 0  r = 1     V = 1      A(th) =  0.7069
                 |             +- answer 1  r = 1
@@ -111,9 +112,9 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, take two more pieces. An answer's context is its prompt, then its thought
-    (rollout_ma). Thoughts and answers are two loss parts, each aggregated alone
-    (global_loss_weights), so that M answers per thought do not outweigh the thought.
+    To copy GRPO-MA, take two more pieces. In rollout_ma, an answer's context is its prompt, then
+    its thought. In global_loss_weights, thoughts and answers are two loss parts, each aggregated
+    alone, so that M answers per thought do not outweigh the thought.
     """
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
@@ -122,10 +123,8 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     return thought_adv, answer_adv, values
 
 def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
-    """TA-GRPO's advantages: GRPO's, with the group id of the original question q0.
-
+    """TA-GRPO's advantages: GRPO's, with the group id of each response's original question q0.
     So q0's G responses and those to its N rephrasings form one group of (N+1)·G.
-    rewards (B,); question (B,) is the id of each response's original question.
 
         q0  "What is 3 + 5?"   r = 1 1      alone: all equal, no signal
         q1  "Add 3 and 5."     r = 0 1      pooled: mean 0.75, std 0.5
@@ -133,12 +132,12 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too
-    (rollout_ta's prompt_index): ρ = π(o | q0) / π_old(o | q0). Why: the rephrasings explore.
-    They make the model write solutions it rarely writes for q0; training π(· | q0) on them moves
-    q0's answers toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1
-    and mostly clipped. The anchored ratio is the paper's fifth arXiv version's. --ta-anchor
-    rephrased keeps each response's own prompt, as the public code does.
+    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too. So
+    rollout_ta's prompt_index points at q0, and ρ = π(o | q0) / π_old(o | q0). Why: the
+    rephrasings explore. They make the model write solutions it rarely writes for q0. Training
+    π(· | q0) on them moves q0's answers toward those. An importance weight π(o | q0) / π(o | q_j)
+    would be far from 1 and mostly clipped. The anchored ratio is that of the paper's fifth arXiv
+    version. --ta-anchor rephrased keeps each response's own prompt, as the public code does.
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -215,9 +214,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     (-2.0, tensor([[-1., -1.]]))
 
     At μ = 1 the old log-probs are logp.detach(), so ρ = 1 with the gradient of logp. The min's
-    two terms are then equal, and torch sends half the gradient through each. clamp passes its
-    gradient inside its range, so both halves reach logp: ∂loss/∂logp = -w A. ε_high is ε when
-    None, as in TRL. The metrics are token means.
+    two terms are then equal, and torch sends half the gradient through each. The clamp passes its
+    gradient inside its range, so both halves reach logp: ∂loss/∂logp = -w A. As in TRL, ε_high
+    is ε when None. The metrics are token means.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -320,9 +319,9 @@ def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="
 # decoder layout, model.model then model.lm_head (Qwen2/3, Llama), and transformers >= 5.24.
 
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
-    """The token ids of a question in the chat template with the generation prompt, then the
-    response prefix: the reply's first words, as DeepSeek-R1's template ends with <think>. The
-    prefix is tokenized alone, as plain text. It belongs to the prompt: never sampled or trained."""
+    """The token ids of a question in the chat template, then the response prefix. The prefix is
+    the reply's first words, as DeepSeek-R1's template ends with <think>. It is plain text,
+    tokenized alone, and belongs to the prompt: never sampled or trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -342,8 +341,8 @@ def left_pad(seqs: list[list[int]], pad_id: int):
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
     """The decoder's last hidden states (B, T, H) for input_ids (B, T), before the lm_head. The
-    input follows the L tokens in `cache`, a DynamicCache that grows in place. attention_mask
-    (B, L + T) covers both, with 0 for padding anywhere."""
+    input follows the L tokens in `cache`, a DynamicCache that grows in place. The attention mask
+    covers both, (B, L + T), with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -488,8 +487,8 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
     """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>, then M
-    answers per closed thought (ma_advantages). An answer is sampled after prompt + thought and
-    scored on prefix + thought + answer. An open thought gets no answers, and value 0."""
+    answers per closed thought; ma_advantages scores them. An answer is sampled after prompt +
+    thought and scored on prefix + thought + answer. An open thought gets no answers: value 0."""
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -579,7 +578,7 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 
 def plain_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
-    before it: one forward pass per row over context + completion. This defines the log-probs."""
+    before it. One forward pass per row over context + completion: this defines the log-probs."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     device = rows.completion_ids.device
     input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
@@ -617,10 +616,10 @@ def global_loss_weights(rows: Rows, loss_type: str):
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
-    w counts the whole batch, so a micro-batch's loss is its piece of -J; backward() adds up the
-    pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0, come first. Train
-    mode: Qwen and Llama have no dropout; turn off a model's own. A whole step worked by hand,
-    rewards, A, w, the loss and its gradient: test_update_works_one_grpo_step_by_hand."""
+    The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
+    adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
+    come first. Train mode: Qwen and Llama have no dropout; turn off a model's own. A step worked
+    by hand, rewards, A, w, the loss and its gradient: test_update_works_one_grpo_step_by_hand."""
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows; a thought stays with its answers
@@ -653,8 +652,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
-    The prompts are drawn afresh each step from (seed, step): there are no epochs, and a resumed
-    run continues the same stream. step counts from 0 and is logged as step + 1."""
+    The prompts are drawn afresh each step from the seed and the step: there are no epochs. So a
+    resumed run continues the same stream. The step counts from 0 and is logged as step + 1."""
     t_step = time.perf_counter()
     rank, W = rank_and_world()  # Part II: (0, 1) without torchrun
     data_rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -673,13 +672,14 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int)
     return metrics
 
 def train(cfg) -> dict:
-    """Train as configured. Returns the summary on rank 0, None on the other ranks.
+    """Train as configured:
 
         eval the starting policy
         for each step: train_step, the schedule, a metrics line, an eval when due,
                        a checkpoint when due, or a stop after SIGTERM
         print the summary: the first eval against the last
-    """
+
+    It returns the summary on rank 0 and None on the other ranks."""
     # Part II: ranks, data, run folder, model, optimizer; state: --resume's checkpoint or None
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
@@ -709,8 +709,8 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, pass@k and format on held-out questions. pass@k, k = 1..n, comes from
-    n = --eval-samples samples per question at the training temperature; format is the share
+    """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
+    from n = --eval-samples samples per question at the training temperature. Format is the share
     with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
     c % W, as one process would. GRPO-MA samples one plain completion of both limits."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
@@ -742,7 +742,7 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
     return result
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
     if n - c < k:
         return 1.0
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
@@ -762,8 +762,8 @@ class CachedContext:
     last: torch.Tensor   # (B,) each context's last token, the next pass's first input
 
     def reorder(self, index):
-        """In place: keep rows `index`; a repeated index copies a context to several rows.
-        HF's reorder_cache and index_select have a deterministic CPU backward; x[index] has not."""
+        """In place: keep rows `index`, copying a context to each row that repeats it. The CPU
+        backward of reorder_cache and index_select is deterministic; that of x[index] is not."""
         self.cache.reorder_cache(index)
         self.mask, self.last = self.mask.index_select(0, index), self.last.index_select(0, index)
 
@@ -942,31 +942,28 @@ def global_means(metrics: dict) -> dict:
     keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
     sums = [metrics[key].cpu().double().sum().item() for key in keys]  # MPS has no float64
     totals = all_reduce(sums + [metrics[key].numel() for key in keys])
-    means = dict(metrics)
-    for i, key in enumerate(keys):
-        count = totals[len(keys) + i]
-        means[key] = totals[i] / count if count else math.nan
-    return means
+    counts = totals[len(keys):]
+    return metrics | {key: totals[i] / counts[i] if counts[i] else math.nan
+                      for i, key in enumerate(keys)}
 
 # Data parallel (torchrun): each rank samples whole groups for its share of the prompts; metrics
 # are of the global batch; gradients are summed over the ranks; rank 0 writes and saves.
 
 def setup_distributed(cfg: Config):
     """Join torchrun's process group, NCCL on GPUs and gloo on CPU; returns (rank, device)."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return 0, pick_device(cfg.device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device, world = pick_device(cfg.device), int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return 0, device
     if cfg.prompts_per_step % world:
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the "
                         f"{world} ranks")
-    device = pick_device(cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     # NCCL's default timeout, 10 minutes, would kill a long step or a slow save on rank 0
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=datetime.timedelta(hours=2))
-    return rank, device
+    return int(os.environ["RANK"]), device
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, the number of ranks): (0, 1) without torchrun."""
@@ -1011,16 +1008,13 @@ NUMBER_RE = re.compile(rf"[-+]?(?:{DECIMAL})(?:/(?:{DECIMAL}))?")
 MAX_NUMBER_CHARS = 100  # longer "numbers" are not parsed: int() refuses > 4300 digits
 
 def parse_number(text: str):
-    """The one number an answer holds -> Fraction, else None.
-
-    Once the wrappers are gone (unwrap), the number may stand among words, spaces and prose
-    punctuation only, after an optional "x =": 'The answer is 1,234.', '18 eggs', '\\$12.50',
-    'x = 7', '-\\frac{1}{2}', '50\\%', '5\\,\\text{cm}', '90^\\circ'. It is None for two numbers
-    ('7 or 8', '2\\frac{1}{3}'), a malformed one ('3,5', '0,005'), and an expression: an operator,
-    bracket or LaTeX beside it ('x+5', '- 5', '\\sqrt{2}', '±5'), or a letter or ! touching it,
-    also across a wrapper ('2i', '4!', '\\boxed{5}x'). Units with / or ^ are not read ('60 km/h',
-    '42 m^2'): they could be operators. Words are not read: '5 thousand' is 5.
-    """
+    """The one number an answer holds -> Fraction, else None. Once the wrappers are gone (unwrap),
+    only words, spaces and prose punctuation may stand around it, after an optional "x =":
+    '1,234.', '18 eggs', '\\$12.50', 'x = 7', '-\\frac{1}{2}', '50\\%', '90^\\circ'. None for two
+    numbers ('7 or 8', '2\\frac{1}{3}'), a malformed one ('3,5', '0,005'), and an expression: an
+    operator, bracket or LaTeX beside it ('x+5', '- 5', '\\sqrt{2}', '±5'), or a letter or !
+    touching it, also across a wrapper ('2i', '4!', '\\boxed{5}x'). Units with / or ^ could be
+    operators: '60 km/h' and '42 m^2' are not read. Nor are words: '5 thousand' is 5."""
     text = ASSIGNMENT_RE.sub(" ", unwrap(text), count=1)
     runs = number_runs(text)
     if len(runs) != 1 or runs[0] is None or len(runs[0]) > MAX_NUMBER_CHARS:
@@ -1205,8 +1199,7 @@ def check_flags(cfg: Config):
                         f"ends at the model's own </think>")
 
 def check_example(example) -> dict:
-    """A data line's object with "rephrasings" ([] if absent), or a ValueError saying what is wrong:
-    question and answer must be non-empty strings, rephrasings a list of them."""
+    """A data line's object with "rephrasings", [] if absent; a ValueError says what is wrong."""
     if not isinstance(example, dict):
         raise ValueError("expected a JSON object with 'question' and 'answer'")
     for key in ("question", "answer"):
@@ -1308,8 +1301,8 @@ LOGS = ("metrics.jsonl", "completions.jsonl")  # appended to as the run goes
 
 def run_files(out: Path) -> list[Path]:
     """What a run leaves in its folder: checkpoints (and a save that died), logs, summary."""
-    names = [out / name for name in LOGS + ("summary.json",)]
-    return list(out.glob("checkpoint-*")) + [path for path in names if path.exists()]
+    names = [out / name for name in LOGS + ("summary.json",) if (out / name).exists()]
+    return list(out.glob("checkpoint-*")) + names
 
 def prepare_out(cfg: Config) -> Path | None:
     """The checkpoint to continue from, or None to start. A folder holding a run is continued
@@ -1381,8 +1374,8 @@ def save_or_stop(cfg: Config, done: int, caught: list, model, tokenizer, optimiz
 
 @contextlib.contextmanager
 def signals_caught():
-    """SIGTERM (Slurm's and Kubernetes' stop) and Ctrl-C ask the run to stop after the step in
-    progress: yields the signals caught. A second one acts as before (Ctrl-C twice stops now)."""
+    """Yields the signals caught: SIGTERM and Ctrl-C ask for a stop after the step in progress.
+    A second one acts as before, so Ctrl-C twice stops now."""
     caught, previous = [], {}
 
     def catch(signum, frame):
