@@ -1535,6 +1535,18 @@ def test_score_never_raises_on_hostile_text():
     assert grpo.score("\\boxed{" * 3000 + "85", "85", True) == (0.0, False)  # unbalanced, deeply nested
 
 
+def test_the_tag_reader_finds_what_the_regex_found():
+    """tagged_answer searches forward only; the regex it replaced, <answer>(.*?)</answer> with the last match
+    taken, is the slow reference (its time grows with the square of unclosed tags)."""
+    regex = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(["<answer>", "</answer>", "a", "7", " ", "<"]) for _ in range(rng.randrange(12)))
+        found = regex.findall(text)
+        assert grpo.tagged_answer(text) == (found[-1] if found else None), text
+    assert grpo.score("<think>x</think>" + "<answer>" * 10_000 + "7", "7", True) == (0.0, False)
+
+
 def test_a_ta_batch_without_rephrasings_runs(tmp_path):
     data = write(tmp_path, "ta.jsonl", "".join(json.dumps(r) + "\n" for r in [
         {"question": "12+34=", "answer": "46", "rephrasings": ["what is 12 plus 34?"]},
@@ -1686,7 +1698,8 @@ def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0
         rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
         mask = torch.ones(G, depth)
         weights = dapo(mask) * grpo.lambda_weights(paths, mask, G) if lam else dapo(mask)
-        loss, _ = grpo.policy_loss(logps, logps.detach(), grpo.group_advantages(rewards, groups_of(G, len(rewards))), mask, weights)
+        advantages = grpo.group_advantages(rewards, groups_of(G, len(rewards)))
+        loss, _ = grpo.policy_loss(logps, logps.detach(), advantages, mask, weights)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -1926,6 +1939,24 @@ def test_bench_lambda_weights_cost(request, tiny):
     lam_s, step_s = sorted(lam)[2], sorted(step)[2]
     print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
           f"share {100 * lam_s / (lam_s + step_s):.2f}%")
+
+def test_bench_scoring_degenerate_completions(request):
+    """GRPO_BENCH=1 python -m pytest -q -s -k degenerate: score_batch's reading of one completion of unclosed
+    <answer> tags, by its length, against the regex of c8732ce (<answer>(.*?)</answer>, findall), medians of 3."""
+    import time
+    regex = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    for kb in (4, 16, 64):
+        text = "<think>x</think>" + "<answer>" * (kb * 1024 // 8)
+        ours, theirs = [], []
+        for _ in range(3):
+            t = time.perf_counter()
+            grpo.score(text, "7", True), grpo.tagged_answer(grpo.after_thought(text))
+            ours.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            regex.findall(text), regex.search(text)
+            theirs.append(time.perf_counter() - t)
+        print(f"\n{kb} kB: score + tags {sorted(ours)[1] * 1e3:.2f} ms; c8732ce's regex, twice: "
+              f"{sorted(theirs)[1] * 1e3:.1f} ms", end="")
 
 # -----------------------------------------------------------------------------
 # Both model families, with pad == eos as real tokenizers have it
