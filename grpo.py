@@ -24,6 +24,11 @@ One GRPO step, as train_step and update run it:
 The default takes one update per batch: μ = 1. Then π_old is π itself, so ρ = 1 and nothing is
 clipped. The gradient is the policy gradient -Σ w A ∇ log π.
 
+One step in numbers: G = 4 completions of 4, 4, 2 and 4 tokens score r = 1, 0, 0, 1. Their mean
+is 0.5 and their unbiased std 0.577, so A = +0.87, -0.87, -0.87, +0.87. Under dapo each of the
+14 tokens weighs w = 1/14. At μ = 1 the loss is -Σ w A = -0.124, and ∂loss/∂logp_it = -w A_i,
+±0.062. test_update_works_one_grpo_step_by_hand checks these numbers against update's gradient.
+
 The variants change the advantages A, the weights w and the contexts:
 
     grpo    A_i normalised within the G samples of a question     DeepSeekMath, arXiv 2402.03300
@@ -77,8 +82,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    A group whose rewards are all equal gets exactly 0, as the second one here. Its float mean
-    can miss r by ~1e-8, which divided by std + eps would be an advantage. A group of one gets 0.
+    A group whose rewards are all equal gets exactly 0, as the second one here. This is needed
+    because a float mean can miss equal rewards by ~1e-8, and std + eps would scale that up.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n
@@ -97,10 +102,11 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
 
         V(th)   = the mean reward of th's answers; 0 for a thought without answers
         A(th)   = V(th) normalised over the K thoughts of its prompt
-        A(ans)  = r(ans) normalised over all K·M answers of its prompt, not per thought
+        A(ans)  = r(ans) normalised over all answers of its prompt, not per thought
 
     The inputs are the answers' rewards, each answer's thought and each thought's prompt. It
-    returns the thoughts' A, the answers' A and V.
+    returns the thoughts' A, the answers' A and V. A prompt has K·M answers when all its thoughts
+    closed. An open thought has none, so its V is 0: it is pushed down like a wrong one.
 
         prompt -+- thought 0 -+- answer 0  r = 1     V = 1      A(th) =  0.7069
                 |             +- answer 1  r = 1
@@ -132,8 +138,13 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
+    The objective, for responses o_jg sampled from π_old(· | q_j), the rephrasing q_j:
+
+        J = Σ_jgt w min(ρ_jgt A_jg, clip(ρ_jgt, 1-ε, 1+ε) A_jg),
+        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)
+
     To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too. So
-    rollout_ta's prompt_index points at q0, and ρ = π(o | q0) / π_old(o | q0). Why: the
+    rollout_ta's prompt_index points at q0. Why: the
     rephrasings explore. They make the model write solutions it rarely writes for q0. Training
     π(· | q0) on them moves q0's answers toward those. An importance weight π(o | q0) / π(o | q_j)
     would be far from 1 and mostly clipped. The anchored ratio is that of the paper's fifth arXiv
@@ -187,6 +198,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
     Under dapo each of these six tokens weighs 1/6. A piece of a batch, such as a micro-batch,
     takes the whole batch's num_rows and num_tokens: the pieces' losses add up to the batch's.
+    TRL's bnpo is dapo with a micro-batch's own count; here the count is always the batch's.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -213,14 +225,14 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     >>> loss.backward(); loss.item(), logp.grad
     (-2.0, tensor([[-1., -1.]]))
 
-    At μ = 1 the old log-probs are logp.detach(), so ρ = 1 with the gradient of logp. The min's
-    two terms are then equal, and torch sends half the gradient through each. The clamp passes its
-    gradient inside its range, so both halves reach logp: ∂loss/∂logp = -w A. As in TRL, ε_high
-    is ε when None. The metrics are token means.
+    At μ = 1 the old log-probs are logp.detach(): ρ is 1 in value but keeps the gradient of logp.
+    The min's two terms are then equal, so torch sends half the gradient through each. Both
+    halves reach logp, because the clamp passes its gradient inside its range. So ∂loss/∂logp =
+    -w A. As in TRL, ε_high is ε when None. The metrics are token means.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    adv = torch.where(mask.bool(), adv, 0.0)  # (B, T); a NaN off the mask gets no gradient
+    adv = torch.where(mask.bool(), adv, 0.0)  # (B, T), 0 off the mask
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # ρ
     surrogate = ratio * adv
@@ -252,14 +264,6 @@ def after_thought(text: str):
         return None
     return text.split("</think>", 1)[-1]
 
-def tagged_answer(text: str):
-    """What the last <answer>...</answer> holds, or None. Each <answer> pairs with the first
-    </answer> after it. The search only goes forward, so its time is linear in the text."""
-    found, start = None, text.find("<answer>")
-    while start >= 0 and (end := text.find("</answer>", start)) >= 0:
-        found, start = text[start + len("<answer>"):end], text.find("<answer>", end)
-    return found
-
 def extract_answer(text: str, answer_from: str = "tags"):
     """The answer after the thought, or None. With tags and math-verify it is the last
     <answer>...</answer>, else the last \\boxed{}. With last-number it is the last number and
@@ -269,7 +273,7 @@ def extract_answer(text: str, answer_from: str = "tags"):
         return None
     if answer_from == "last-number":
         return last_number(text)  # Part II: the text from the number or '=' before the last one
-    found = tagged_answer(text)
+    found = tagged_answer(text)  # Part II: what the last <answer>...</answer> holds, or None
     return found if found is not None else boxed(text)  # Part II: what the last box holds
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
@@ -280,7 +284,7 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
     adds format_reward for exactly one <think>...</think>, then one <answer>...</answer>.
     parsed says that an answer was read: for a numeric reference, a number.
     - A numeric reference wants the number itself: '1/2' equals '0.5'.
-    - Any other reference is compared as text, without whitespace or a \\boxed{} around it.
+    - Any other reference is compared as text by as_text: no whitespace, no \\boxed{} around it.
     - With math-verify, Hugging Face's math_verify compares the two as LaTeX.
     """
     answer = extract_answer(text, answer_from)
@@ -295,10 +299,6 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
                                            else as_text(answer) == as_text(reference))
     shaped = finished and FORMAT_RE.fullmatch(text) is not None
     return float(correct) + format_reward * shaped, parsed
-
-def as_text(answer: str) -> str:
-    """An answer compared as text: what a \\boxed{} around it holds, without whitespace."""
-    return re.sub(r"\s", "", boxed(answer) or answer)
 
 def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="tags", before=""):
     """(rewards, parsed, tagged), each (B,), of generate's Samples. Each text is read after
@@ -358,6 +358,13 @@ def prefill(model, prompts: list[list[int]], pad_id: int):
         run_decoder(model, ids[:, :-1], mask[:, :-1], cache)
     return cache, mask[:, :-1], ids[:, -1]
 
+def reorder(context, index):
+    """A prefill's (cache, mask, last) with rows `index`: a repeated index copies a context to
+    several rows. reorder_cache and index_select have a deterministic CPU backward; x[i] has not."""
+    cache, mask, last = context
+    cache.reorder_cache(index)
+    return cache, mask.index_select(0, index), last.index_select(0, index)
+
 def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     """The text of each completion's masked tokens, special tokens dropped."""
     return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
@@ -378,10 +385,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     was_training = model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     device = next(model.parameters()).device
-    cache, mask, token = prefill(model, prompts, tokenizer.pad_token_id)
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
-    cache.reorder_cache(index)  # each prompt's cache, copied to its n rows
-    mask, token = mask.index_select(0, index), token.index_select(0, index)
+    cache, mask, token = reorder(prefill(model, prompts, tokenizer.pad_token_id), index)  # n each
     eos = torch.tensor(eos_ids(model, tokenizer), device=device)  # Part II: every EOS token
     B = len(index)
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
@@ -440,11 +445,6 @@ class Rows:
     def __len__(self):
         return len(self.completion_ids)
 
-    def to(self, device) -> Rows:
-        """The same rows with every tensor on `device`."""
-        move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value
-        return Rows(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
-
     def context(self, i: int) -> list[int]:
         """Row i's context as token ids: its prompt, then its parent's completion."""
         ids = list(self.prompts[self.prompt_index[i]])
@@ -499,7 +499,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
         th_ids, th_mask = th.completion_ids.cpu(), th.completion_mask.cpu()
         thought_texts = decode(tokenizer, th_ids, th_mask)
         closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P*K,)
-        contexts = [prompts[r // K] + th_ids[r][th_mask[r].bool()].tolist()
+        contexts = [prompts[r // K] + th_ids[r][th_mask[r].bool()].tolist()  # encoded anew
                     for r in closed.nonzero().squeeze(1).tolist()]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     parents = closed.nonzero().squeeze(1).repeat_interleave(M)  # each answer's thought row
@@ -569,12 +569,10 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # -----------------------------------------------------------------------------
-# 5. The log-probs and the update. update() takes a rollout's Rows, whichever variant made them.
-# Shapes for grpo with P = 2 prompts and G = 4: B = 8 rows, C = the longest completion.
-#   Rows: 2 prompts, prompt_index (8,), completion_ids (8, C), advantages (8,)
-#     -> global_loss_weights: w (8, C), each token's weight in J over every rank's rows
-#     -> micro-batches of b rows: log-probs (b, C) -> policy_loss -> backward
-#     -> the gradients summed over the ranks, the norm clipped, optimizer.step; μ times
+# 5. The log-probs and the update. update() takes a rollout's Rows, whichever variant made them:
+#   Rows: B rows, completion_ids (B, C), advantages (B,) -> global_loss_weights: w (B, C)
+#   -> per micro-batch of b rows: log-probs (b, C) -> policy_loss -> backward
+#   -> the gradients summed over the ranks, the norm clipped, optimizer.step; μ times
 
 def plain_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
@@ -618,12 +616,12 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
     The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
     adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
-    come first. Train mode: Qwen and Llama have no dropout; turn off a model's own. A step worked
-    by hand, rewards, A, w, the loss and its gradient: test_update_works_one_grpo_step_by_hand."""
+    come first. The model is in train mode; Qwen and Llama have no dropout, so nothing changes.
+    plain_logps may replace rows_logps: the result is the same, only slower."""
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
-    # Part II: pieces of about --micro-batch-size rows; a thought stays with its answers
-    micro = [m.to(device) for m in micro_batches(rows, cfg.micro_batch_size)]
+    # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
+    micro = micro_batches(rows, cfg.micro_batch_size, device)
     # rows_logps (Part II): plain_logps' numbers, with each shared context encoded once
     logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
@@ -680,7 +678,8 @@ def train(cfg) -> dict:
         print the summary: the first eval against the last
 
     It returns the summary on rank 0 and None on the other ranks."""
-    # Part II: ranks, data, run folder, model, optimizer; state: --resume's checkpoint or None
+    # Part II: ranks, data, the run folder; then the policy, a frozen reference when β > 0, AdamW
+    # with a linear warmup, and state, the checkpoint's that --resume continues from, or None
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
@@ -698,9 +697,10 @@ def train(cfg) -> dict:
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             with autocast:  # backward ops take their forward ops' dtypes; AdamW is not autocast
                 metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step)
-                scheduler.step()
-                write({"step": step + 1, "lr": lr, **metrics})
-                if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+            scheduler.step()
+            write({"step": step + 1, "lr": lr, **metrics})
+            if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                with autocast:
                     write({"step": step + 1, "eval": evaluation()})
             # Part II: a checkpoint every --save-every steps and at the end; after a signal,
             # a checkpoint and an exit with one line
@@ -754,19 +754,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 # The shared-prefix log-probs: plain_logps' numbers, each shared context encoded once.
 
-@dataclass
-class CachedContext:
-    """prefill's (cache, mask, last): contexts ready to be continued by a forward pass."""
-    cache: object        # a DynamicCache: per layer keys and values, (B, heads, L, head_dim)
-    mask: torch.Tensor   # (B, L) 1 where the cache holds a real token, 0 for padding
-    last: torch.Tensor   # (B,) each context's last token, the next pass's first input
-
-    def reorder(self, index):
-        """In place: keep rows `index`, copying a context to each row that repeats it. The CPU
-        backward of reorder_cache and index_select is deterministic; that of x[index] is not."""
-        self.cache.reorder_cache(index)
-        self.mask, self.last = self.mask.index_select(0, index), self.last.index_select(0, index)
-
 def rows_logps(model, rows: Rows, temperature: float):
     """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
     rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
@@ -782,32 +769,32 @@ def rows_logps(model, rows: Rows, temperature: float):
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
-    ctx = CachedContext(*prefill(model, rows.prompts, 0))  # each distinct prompt encoded once
     top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
-    ctx.reorder(rows.prompt_index[top])  # one context per top row
+    ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
     after_top = continue_rows(model, ctx, rows, top, logps, temperature)
     children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
     if len(children):
         slot = torch.full((B,), -1, dtype=torch.long, device=device)
         slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
         assert (slot[rows.parent[children]] >= 0).all(), "a parent row must continue its prompt"
-        after_top.reorder(slot[rows.parent[children]])  # one context per child: its parent's
+        after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
         continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
 
-def continue_rows(model, ctx: CachedContext, rows: Rows, idx, logps, temperature: float):
-    """rows_logps' pass: write the log-probs of rows idx, each after its context in ctx, into
-    logps. Returns the contexts that end with those rows; ctx's cache grows in place."""
+def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
+    """rows_logps' pass: write the log-probs of rows idx, each after its context in ctx = (cache,
+    mask, last), into logps. Returns the contexts that end with those rows; the cache grows."""
+    cache, mask, last = ctx
     n = int(rows.completion_mask[idx].sum(1).max())
     target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
-    inputs = torch.cat([ctx.last[:, None], target[:, :-1]], 1)  # input t predicts target t
+    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # input t predicts target t
     # inputs[:, t] is real exactly where target t is. The cache takes every input, so it ends one
     # token short of each row: that last token is what a child row's pass feeds first
-    attn = torch.cat([ctx.mask, target_mask], 1)
-    hidden = run_decoder(model, inputs, attn, ctx.cache)
+    attn = torch.cat([mask, target_mask], 1)
+    hidden = run_decoder(model, inputs, attn, cache)
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
     last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
-    return CachedContext(ctx.cache, attn, last)
+    return cache, attn, last
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1, else 0.
@@ -826,21 +813,21 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
     logps[keep] = torch.cat(pieces)
     return logps
 
-def micro_batches(rows: Rows, size: int) -> list[Rows]:
-    """Rows split into micro-batches of about `size` rows. A GRPO-MA thought stays in the same
-    micro-batch as its answers, which reuse its cache."""
+def micro_batches(rows: Rows, size: int, device="cpu") -> list[Rows]:
+    """Rows split into micro-batches of about `size` rows, on `device`. A GRPO-MA thought stays in
+    the same micro-batch as its answers, which reuse its cache."""
     batches, current = [], []
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
         if current and len(current) + len(unit) > size:
             batches, current = batches + [current], []
         current = current + unit
-    return [select_rows(rows, torch.tensor(sorted(b), dtype=torch.long))
+    return [select_rows(rows, torch.tensor(sorted(b), dtype=torch.long), device)
             for b in batches + [current]]
 
-def select_rows(rows: Rows, index: torch.Tensor) -> Rows:
-    """The rows `index`, with only the prompts they use and the completion columns that hold a
-    token. A row's parent must be among them: prompt_index and parent are renumbered."""
+def select_rows(rows: Rows, index: torch.Tensor, device="cpu") -> Rows:
+    """The rows `index` on `device`, with only the prompts they use and the completion columns that
+    hold a token. A row's parent must be among them: prompt_index and parent are renumbered."""
     used = rows.prompt_index[index].unique()
     new_prompt = torch.full((len(rows.prompts),), -1, dtype=torch.long)
     new_prompt[used] = torch.arange(len(used))
@@ -857,7 +844,7 @@ def select_rows(rows: Rows, index: torch.Tensor) -> Rows:
     picked["parent"] = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
     picked["prompt_index"] = new_prompt[picked["prompt_index"]]
     picked["prompts"] = [rows.prompts[p] for p in used.tolist()]
-    return Rows(**picked)
+    return Rows(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in picked.items()})
 
 # -----------------------------------------------------------------------------
 # Sums over micro-batches and ranks, the metrics, and the guards of sampling and the update.
@@ -884,7 +871,8 @@ class UpdateLog:
 def sample_metrics(rewards, advantages, groups, num_groups, parsed, tagged, samples) -> dict:
     """What every rollout logs. reward is that of the completions scored. frac_reward_zero_std
     is the share of groups without a signal, every advantage 0."""
-    nonzero = torch.zeros(num_groups).index_add(0, groups, (advantages != 0).float())
+    signal = (advantages != 0).reshape(len(groups), -1).any(1).float()  # per token: any token
+    nonzero = torch.zeros(num_groups).index_add(0, groups, signal)
     return {"reward": rewards, "frac_reward_zero_std": nonzero == 0,
             "completion_length": samples.completion_mask.sum(1).float(),
             "truncated": ~samples.finished, "unparseable": ~parsed, "format": tagged}
@@ -1027,6 +1015,18 @@ def parse_number(text: str):
     if denominator and Fraction(denominator) == 0:
         return None
     return Fraction(numerator) / Fraction(denominator or 1)
+
+def tagged_answer(text: str):
+    """What the last <answer>...</answer> holds, or None. Each <answer> pairs with the first
+    </answer> after it. The search only goes forward, so its time is linear in the text."""
+    found, start = None, text.find("<answer>")
+    while start >= 0 and (end := text.find("</answer>", start)) >= 0:
+        found, start = text[start + len("<answer>"):end], text.find("<answer>", end)
+    return found
+
+def as_text(answer: str) -> str:
+    """An answer compared as text: what a \\boxed{} around it holds, without whitespace."""
+    return re.sub(r"\s", "", boxed(answer) or answer)
 
 def boxes(text: str) -> list[tuple]:
     """(start, end, inside) of each \\boxed{...} that is not inside another, braces nested to any

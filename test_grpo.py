@@ -237,6 +237,20 @@ def test_update_works_one_grpo_step_by_hand(tiny):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
     assert max(g.abs().max() for g in expected) > 1e-3  # a gradient that is not 0
 
+def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
+    """A scheme of one's own may give each token its advantage, (B, C), 0 off the mask: sample_metrics counts a
+    row with any nonzero token as a signal, and update's loss is -Σ w A_t over tokens (dapo, μ = 1)."""
+    model, tok = tiny
+    rows = text_rows(tok, [grpo.prompt_ids(tok, "3+4=", grpo.SYSTEM_PROMPT)], ["<answer>7</answer>", "x", "yy"])
+    A = torch.tensor([[1.0, -0.5, 0.25, 2.0], [0.0, 0.0, 0.0, 0.0], [0.0, 3.0, -1.0, 0.0]]) * rows.completion_mask
+    rows.advantages = A
+    samples = grpo.Samples(rows.completion_ids, rows.completion_mask, torch.ones(3, dtype=torch.bool))
+    metrics = grpo.sample_metrics(torch.zeros(3), A, torch.tensor([0, 1, 1]), 3, torch.ones(3, dtype=torch.bool),
+                                  torch.ones(3, dtype=torch.bool), samples)
+    assert metrics["frac_reward_zero_std"].tolist() == [False, False, True]  # group 2 holds no row
+    loss = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config())["loss"]
+    assert loss == pytest.approx(-(A.sum() / rows.completion_mask.sum()).item(), abs=1e-6)
+
 # -----------------------------------------------------------------------------
 # Rewards and pass@k
 
@@ -647,17 +661,17 @@ def test_shared_prefix_logps_and_gradients_equal_the_row_by_row_pass(tiny, varia
 
 
 def test_a_copied_context_sums_its_gradients_through_index_select():
-    """CachedContext.reorder copies a context to its continuations with index_select, whose CPU backward sums the
+    """reorder copies a context to its continuations with index_select, whose CPU backward sums the
     copies' gradients in a fixed order (x[index]'s is documented nondeterministic; with it seeded runs drifted
     apart in the last bit between processes). Worked numbers: rows [0, 0, 1, 0] weighted 1, 2, 4, 8 give row 0
     the gradient 1 + 2 + 8 = 11 and row 1 the gradient 4."""
     keys = torch.ones(2, 1, 1, 1, requires_grad=True)
     values = torch.ones(2, 1, 1, 1, requires_grad=True)
     cache = transformers.DynamicCache(ddp_cache_data=[(keys, values)])
-    prefix = grpo.CachedContext(cache, torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6]))
-    prefix.reorder(torch.tensor([0, 0, 1, 0]))
-    assert prefix.last.tolist() == [5, 5, 6, 5]
-    copied_keys, copied_values = prefix.cache.layers[0].keys, prefix.cache.layers[0].values
+    cache, mask, last = grpo.reorder((cache, torch.ones(2, 1, dtype=torch.long), torch.tensor([5, 6])),
+                                     torch.tensor([0, 0, 1, 0]))
+    assert last.tolist() == [5, 5, 6, 5] and mask.shape == (4, 1)
+    copied_keys, copied_values = cache.layers[0].keys, cache.layers[0].values
     assert copied_keys.grad_fn.name() == "IndexSelectBackward0"
     weights = torch.tensor([1.0, 2.0, 4.0, 8.0]).view(4, 1, 1, 1)
     ((copied_keys + copied_values) * weights).sum().backward()
