@@ -143,12 +143,13 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
         J = Σ_jgt w min(ρ_jgt A_jg, clip(ρ_jgt, 1-ε, 1+ε) A_jg),
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)
 
-    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too. So
-    rollout_ta's prompt_index points at q0. Why: the
-    rephrasings explore. They make the model write solutions it rarely writes for q0. Training
-    π(· | q0) on them moves q0's answers toward those. An importance weight π(o | q0) / π(o | q_j)
-    would be far from 1 and mostly clipped. The anchored ratio is that of the paper's fifth arXiv
-    version. --ta-anchor rephrased keeps each response's own prompt, as the public code does.
+    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too:
+    rollout_ta's prompt_index points at q0. At μ = 1 this is a plain policy gradient on samples
+    drawn after q_j, with no importance weight. Why: the rephrasings explore. They make the model
+    write solutions it rarely writes for q0, and training π(· | q0) on them moves q0's answers
+    toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1 and mostly
+    clipped. The paper takes this anchored ratio in its fifth arXiv version. --ta-anchor
+    rephrased keeps each response's own prompt, as the public code does.
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -278,11 +279,10 @@ def extract_answer(text: str, answer_from: str = "tags"):
 
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           answer_from: str = "tags"):
-    """(reward, parsed) of one completion.
-
-    The reward is 1 if the completion finished with EOS and its answer is the reference. It
-    adds format_reward for exactly one <think>...</think>, then one <answer>...</answer>.
-    parsed says that an answer was read: for a numeric reference, a number.
+    """(reward, parsed) of one completion. The reward is 1 if the completion finished with EOS
+    and its answer is the reference. It adds format_reward for exactly one <think>...</think>,
+    then one <answer>...</answer>. parsed says that an answer was read: for a numeric
+    reference, a number.
     - A numeric reference wants the number itself: '1/2' equals '0.5'.
     - Any other reference is compared as text by as_text: no whitespace, no \\boxed{} around it.
     - With math-verify, Hugging Face's math_verify compares the two as LaTeX.
@@ -345,13 +345,14 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     covers both, (B, L + T), with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # cache= since 5.24
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
 def prefill(model, prompts: list[list[int]], pad_id: int):
     """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
-    last token. The next pass takes the last token as input; its output predicts a new token."""
+    last token. The next pass takes the last token as input; its output predicts a new token.
+    Left padding stays inside the cache: the mask hides it, and positions skip it (run_decoder)."""
     ids, mask = (x.to(next(model.parameters()).device) for x in left_pad(prompts, pad_id))
     cache = DynamicCache()
     if ids.shape[1] > 1:
@@ -387,8 +388,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     device = next(model.parameters()).device
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
     cache, mask, token = reorder(prefill(model, prompts, tokenizer.pad_token_id), index)  # n each
-    eos = torch.tensor(eos_ids(model, tokenizer), device=device)  # Part II: every EOS token
-    B = len(index)
+    eos, B = torch.tensor(eos_ids(model, tokenizer), device=device), len(index)  # Part II: EOSs
     ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
     lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
     texts, active = [""] * B, torch.arange(B, device=device)  # the rows still being decoded
@@ -436,8 +436,8 @@ class Rows:
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,), or (B, C) per token; finite
-    part_limits: list = field(default_factory=list)  # the length limit of each loss part
-    part: torch.Tensor | None = None  # (B,) each row's loss part, an index into part_limits
+    part_limits: list = field(default_factory=list)  # each loss part's length limit (dr_grpo's)
+    part: torch.Tensor | None = None  # (B,) each row's loss part: MA's thoughts 0, answers 1
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|
     rewards: torch.Tensor | None = None  # (B,) shown by log_group; an MA thought's is its V
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J; update() sets it
@@ -503,21 +503,21 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
                     for r in closed.nonzero().squeeze(1).tolist()]
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
     parents = closed.nonzero().squeeze(1).repeat_interleave(M)  # each answer's thought row
-    references = [batch[r // K]["answer"] for r in parents.tolist()]
+    answer_prompt = parents // K  # thought r belongs to prompt r // K
+    references = [batch[p]["answer"] for p in answer_prompt.tolist()]
     before = [cfg.response_prefix + thought_texts[r] for r in parents.tolist()]
     rewards, parsed, tagged = score_batch(tokenizer, ans, references, cfg.format_reward,
                                           cfg.answer_from, before)
     thought_adv, answer_adv, values = ma_advantages(rewards, parents, thought_prompt,
                                                     cfg.scale_rewards)
-    metrics.update(sample_metrics(rewards, answer_adv, parents // K, len(batch), parsed, tagged,
+    metrics.update(sample_metrics(rewards, answer_adv, answer_prompt, len(batch), parsed, tagged,
                                   ans), thought_value=values, unclosed_thoughts=~closed,
                    frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1),
                    thought_length=th_mask.sum(1).float())
     parent = torch.cat([torch.full((len(closed),), -1), parents])
-    limits = [cfg.max_new_tokens, cfg.max_answer_tokens]
-    two_parts = cfg.ma_weighting == "parts"  # else one token mean over thoughts and answers
+    two_parts, limits = cfg.ma_weighting == "parts", [cfg.max_new_tokens, cfg.max_answer_tokens]
     pad = lambda tensors, value: pad_sequence(tensors, batch_first=True, padding_value=value)
-    rows = Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, parents // K]),
+    rows = Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, answer_prompt]),
                 parent=parent, advantages=torch.cat([thought_adv, answer_adv]),
                 completion_ids=pad([*th_ids, *ans.completion_ids.cpu()], tokenizer.pad_token_id),
                 completion_mask=pad([*th_mask, *ans.completion_mask.cpu()], 0),
@@ -544,11 +544,10 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
         q0_of.append(len(phrasings))
         for k, text in enumerate([ex["question"]] + drawn):
             phrasings.append(prompt_ids(tokenizer, text, cfg.system_prompt, cfg.response_prefix))
-            question, j = question + [p], j + [k]
+            question.append(p), j.append(k)
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    question = torch.tensor(question).repeat_interleave(G)  # each row's original question
-    j = torch.tensor(j).repeat_interleave(G)
+    question, j = (torch.tensor(x).repeat_interleave(G) for x in (question, j))  # per row
     references = [batch[p]["answer"] for p in question.tolist()]
     r, parsed, tagged = score_batch(tokenizer, s, references, cfg.format_reward, cfg.answer_from,
                                     cfg.response_prefix)
@@ -617,12 +616,14 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
     adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
     come first. The model is in train mode; Qwen and Llama have no dropout, so nothing changes.
-    plain_logps may replace rows_logps: the result is the same, only slower."""
+    To change how log-probs are taken, change plain_logps and use it here: it is the definition,
+    and `pytest -k shared_prefix` says whether rows_logps still gives the same numbers."""
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
     micro = micro_batches(rows, cfg.micro_batch_size, device)
-    # rows_logps (Part II): plain_logps' numbers, with each shared context encoded once
+    # rows_logps (Part II): plain_logps' numbers, with each shared context encoded once. It needs
+    # the KV cache, which HF's gradient checkpointing drops
     logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
@@ -678,8 +679,8 @@ def train(cfg) -> dict:
         print the summary: the first eval against the last
 
     It returns the summary on rank 0 and None on the other ranks."""
-    # Part II: ranks, data, the run folder; then the policy, a frozen reference when β > 0, AdamW
-    # with a linear warmup, and state, the checkpoint's that --resume continues from, or None
+    # Part II: ranks, data, run folder; the policy, a frozen reference if β > 0, AdamW, a warmup,
+    # and state: the checkpoint's that --resume continues from, or None
     rank, device = setup_distributed(cfg)
     examples, test_examples = load_data(cfg)
     checkpoint = prepare_out(cfg)
@@ -712,7 +713,7 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
     """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
     from n = --eval-samples samples per question at the training temperature. Format is the share
     with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
-    c % W, as one process would. GRPO-MA samples one plain completion of both limits."""
+    c % W, as one process would. GRPO-MA's eval samples plain completions, no tree."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     size = max(1, max_rows // n)
@@ -764,8 +765,9 @@ def rows_logps(model, rows: Rows, temperature: float):
         thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
         answer    t2 a1     p1 p2 p3 t1      a1 a2      -
 
-    A row shorter than its pass leaves masked padding inside the cache. `pytest test_grpo.py -k
-    shared_prefix` checks values and gradients against plain_logps for every variant."""
+    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
+    prompts do: the mask hides it and positions skip it. `pytest test_grpo.py -k shared_prefix`
+    checks values and gradients against plain_logps for every variant."""
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
@@ -814,14 +816,13 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
     return logps
 
 def micro_batches(rows: Rows, size: int, device="cpu") -> list[Rows]:
-    """Rows split into micro-batches of about `size` rows, on `device`. A GRPO-MA thought stays in
-    the same micro-batch as its answers, which reuse its cache."""
+    """Rows in micro-batches of about `size` rows, on `device`; a thought keeps its answers."""
     batches, current = [], []
     for i in (rows.parent < 0).nonzero().squeeze(1).tolist():
         unit = [i] + (rows.parent == i).nonzero().squeeze(1).tolist()
         if current and len(current) + len(unit) > size:
             batches, current = batches + [current], []
-        current = current + unit
+        current.extend(unit)
     return [select_rows(rows, torch.tensor(sorted(b), dtype=torch.long), device)
             for b in batches + [current]]
 
@@ -889,8 +890,7 @@ def clip_gradients(model, max_norm: float) -> float:
     a NaN step would poison the weights for good."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     if not math.isfinite(norm):
-        raise UserError(f"the gradient norm is {norm}, so the update was not applied; "
-                        f"lower --lr or --max-grad-norm")
+        raise UserError(f"the gradient norm is {norm}, so the update was not applied; lower --lr")
     return norm
 
 def check_finite(logits):
@@ -899,8 +899,7 @@ def check_finite(logits):
         raise UserError("the policy's logits are not finite: training diverged; lower --lr")
 
 def eos_ids(model, tokenizer) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the generation config's. Qwen
-    has two, <|im_end|> and <|endoftext|>."""
+    """The tokens that end a completion: the tokenizer's EOS and the generation config's."""
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids])
     return sorted((ids | {tokenizer.eos_token_id}) - {None})
@@ -925,8 +924,7 @@ def timed(metrics: dict, key: str):
     metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 def global_means(metrics: dict) -> dict:
-    """Each tensor in metrics -> the mean of its elements over all ranks, NaN if there are none,
-    also when ranks hold different numbers of them. Other values stay. One all_reduce."""
+    """Each tensor in metrics -> the mean of its elements over all ranks, in one all_reduce."""
     keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
     sums = [metrics[key].cpu().double().sum().item() for key in keys]  # MPS has no float64
     totals = all_reduce(sums + [metrics[key].numel() for key in keys])
@@ -1084,8 +1082,7 @@ def last_number(text: str):
     return text[start:]
 
 def math_verify_equal(answer: str, reference: str) -> bool:
-    """--answer-from math-verify: Hugging Face's math_verify reads the answer and the reference,
-    each as one LaTeX expression, and compares them. So '60 km/h' is 60 km/h, not 60."""
+    """--answer-from math-verify: Hugging Face's math_verify compares the two as LaTeX."""
     from math_verify import parse, verify  # check_flags has made sure it is installed
     return verify(parse(f"${reference}$"), parse(f"${answer}$"))
 
@@ -1132,9 +1129,9 @@ class Config:
     epsilon_high: float | None = _opt(None, "upper clip range; DAPO's is 0.28 [>= 0]")
     num_iterations: int = _opt(1, "mu: updates per sampled batch [>= 1]")
     answer_from: str = _opt("tags", "the last <answer> tags, else the last \\boxed; the last "
-                            "number; or the tags' answer graded by math_verify, which reads "
-                            "LaTeX and units (pip install math-verify)",
-                            ["tags", "last-number", "math-verify"])
+                            "number; or the tags' answer as LaTeX, graded by math_verify: "
+                            "symbolic equality counts, and it reads \\boxed{5}x as 5 (pip "
+                            "install math-verify)", ["tags", "last-number", "math-verify"])
     format_reward: float = _opt(0.0, "reward for one <think>..</think><answer>..</answer> [>= 0]")
     lr: float = _opt(2e-4, "AdamW learning rate; ~1e-6 for real models [> 0]")
     warmup_steps: int = _opt(10, "linear warmup over steps, then constant [>= 0]")
@@ -1163,8 +1160,7 @@ def reason(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 def parse_args(argv=None) -> Config:
-    """Config from the command line, checked by check_flags. Local paths are made absolute, so
-    that a requeue started from another folder finds the same files."""
+    """Config from the command line, checked; local paths made absolute for requeues elsewhere."""
     parser = HfArgumentParser(Config, description="GRPO and variants.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
@@ -1239,7 +1235,7 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     return examples, test_examples
 
 def pick_device(name: str) -> torch.device:
-    """--device: auto picks the accelerator (cuda, mps) if there is one, else cpu."""
+    """--device: auto picks the accelerator (cuda, mps) if there is one, else cpu; torch 2.6+."""
     found = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     if name not in ("auto", "cpu", found.type):
         raise UserError(f"--device {name}: {name} is not available on this machine")
@@ -1284,7 +1280,7 @@ def load_run(cfg: Config, device, checkpoint: Path | None):
     if cfg.beta > 0:  # the frozen starting policy
         ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable()  # transformers 5's gradient_checkpointing_enable
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))

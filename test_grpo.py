@@ -1513,8 +1513,7 @@ def test_a_non_finite_gradient_is_never_applied(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_on_second_call)
     out = tmp_path / "run"
     stop = run(*SMALL, "--out", str(out), "--steps", "3", "--num-iterations", "1", "--save-every", "1")
-    assert stop == "grpo.py: error: the gradient norm is nan, so the update was not applied; lower --lr or " \
-                   "--max-grad-norm", stop
+    assert stop == "grpo.py: error: the gradient norm is nan, so the update was not applied; lower --lr", stop
     weights = load_file(out / "checkpoint-1" / "model.safetensors")
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
     assert all(torch.isfinite(w).all() for w in weights.values())
