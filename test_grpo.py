@@ -1953,6 +1953,7 @@ def test_bench_lambda_weights_cost(request, tiny):
     print(f"\nlambda_weights {B}x{T}: median {lam_s * 1e3:.1f} ms; update {step_s * 1e3:.0f} ms; "
           f"share {100 * lam_s / (lam_s + step_s):.2f}%")
 
+@bench
 def test_bench_scoring_degenerate_completions(request):
     """GRPO_BENCH=1 python -m pytest -q -s -k degenerate: score_batch's reading of one completion of unclosed
     <answer> tags, by its length, against the regex of c8732ce (<answer>(.*?)</answer>, findall), medians of 3."""
