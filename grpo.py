@@ -872,7 +872,7 @@ class UpdateLog:
 def sample_metrics(rewards, advantages, groups, num_groups, parsed, tagged, samples) -> dict:
     """What every rollout logs. reward is that of the completions scored. frac_reward_zero_std
     is the share of groups without a signal, every advantage 0."""
-    signal = (advantages != 0).reshape(len(groups), -1).any(1).float()  # per token: any token
+    signal = ((advantages != 0).any(1) if advantages.dim() == 2 else advantages != 0).float()
     nonzero = torch.zeros(num_groups).index_add(0, groups, signal)
     return {"reward": rewards, "frac_reward_zero_std": nonzero == 0,
             "completion_length": samples.completion_mask.sum(1).float(),

@@ -248,6 +248,11 @@ def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
     metrics = grpo.sample_metrics(torch.zeros(3), A, torch.tensor([0, 1, 1]), 3, torch.ones(3, dtype=torch.bool),
                                   torch.ones(3, dtype=torch.bool), samples)
     assert metrics["frac_reward_zero_std"].tolist() == [False, False, True]  # group 2 holds no row
+    empty = grpo.Samples(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long),
+                         torch.zeros(0, dtype=torch.bool))  # a rank whose thoughts all stayed open has no answers
+    none = grpo.sample_metrics(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), 2,
+                               torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool), empty)
+    assert none["frac_reward_zero_std"].tolist() == [True, True]
     loss = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config())["loss"]
     assert loss == pytest.approx(-(A.sum() / rows.completion_mask.sum()).item(), abs=1e-6)
 
