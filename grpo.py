@@ -144,12 +144,13 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)
 
     To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too:
-    rollout_ta's prompt_index points at q0. At μ = 1 this is a plain policy gradient on samples
-    drawn after q_j, with no importance weight. Why: the rephrasings explore. They make the model
-    write solutions it rarely writes for q0, and training π(· | q0) on them moves q0's answers
-    toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1 and mostly
-    clipped. The paper takes this anchored ratio in its fifth arXiv version. --ta-anchor
-    rephrased keeps each response's own prompt, as the public code does.
+    rollout_ta's prompt_index points at q0. At μ = 1 this is a policy gradient for π(· | q0) on
+    samples drawn from π(· | q_j), with no importance weight. So it is biased on purpose: not the
+    gradient of q0's expected reward. Why: the rephrasings explore. They make the model write
+    solutions it rarely writes for q0, and training π(· | q0) on them moves q0's answers toward
+    those. An importance weight π(o | q0) / π(o | q_j) would be far from 1 and mostly clipped.
+    The paper's v5 takes this anchored ratio (arxiv.org/abs/2601.22478v5). --ta-anchor
+    rephrased keeps each response's own prompt, as its code does (github.com/lhkhiem28/TA-GRPO).
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -226,10 +227,10 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     >>> loss.backward(); loss.item(), logp.grad
     (-2.0, tensor([[-1., -1.]]))
 
-    At μ = 1 the old log-probs are logp.detach(): ρ is 1 in value but keeps the gradient of logp.
-    The min's two terms are then equal, so torch sends half the gradient through each. Both
-    halves reach logp, because the clamp passes its gradient inside its range. So ∂loss/∂logp =
-    -w A. As in TRL, ε_high is ε when None. The metrics are token means.
+    At μ = 1 the old log-probs are logp.detach(). So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1.
+    Both terms of the min are then ρA, since 1 is inside the clip range. Either term gives
+    ∂loss/∂logp = -w A, so it does not matter how torch splits the tie: this is the policy
+    gradient. As in TRL, ε_high is ε when None. The metrics are token means.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -267,8 +268,8 @@ def after_thought(text: str):
 
 def extract_answer(text: str, answer_from: str = "tags"):
     """The answer after the thought, or None. With tags and math-verify it is the last
-    <answer>...</answer>, else the last \\boxed{}. With last-number it is the last number and
-    the text around it, as GSM8K is graded."""
+    <answer>...</answer>; without tags, the last \\boxed{}. With last-number it is the last
+    number and the text around it, as GSM8K is graded."""
     text = after_thought(text)
     if text is None:
         return None
@@ -331,13 +332,9 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: st
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
-    L = max((len(s) for s in seqs), default=1)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, L - len(s):] = 1
-    return ids, mask
+    ids = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    return (pad_sequence(ids, batch_first=True, padding_value=pad_id, padding_side="left"),
+            pad_sequence([torch.ones_like(x) for x in ids], batch_first=True, padding_side="left"))
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
     """The decoder's last hidden states (B, T, H) for input_ids (B, T), before the lm_head. The
@@ -403,8 +400,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
             token = logits.argmax(-1)
         else:
             token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
-        ids[active, t], ended = token, torch.isin(token, eos)
+        ids[active, t] = token  # token, ended: (len(active),), one per row still decoded
         lengths[active] += 1
+        ended = torch.isin(token, eos)
         finished[active[ended]] = True
         if stop_strings:  # Part II: the rows whose text now holds a stop string
             ended = ended | stop_string_hits(tokenizer, token, active, texts, stop_strings)
@@ -428,7 +426,8 @@ class Rows:
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
     completion of row parent[i]. A context is named, not copied, so that it is encoded once.
-    Completions are right-padded: a mask is a run of 1s from column 0.
+    Completions are right-padded: a mask is a run of 1s from column 0. The loss has one part per
+    entry of part_limits, each aggregated alone: one part, or GRPO-MA's thoughts and answers.
     """
     prompts: list[list[int]]       # the distinct prompts, as token ids
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
@@ -469,9 +468,9 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
     advantages = group_advantages(rewards, prompt_index, cfg.scale_rewards)
     inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()
     # sample_metrics (Part II): reward, length and the like, which every rollout logs
-    metrics.update(sample_metrics(rewards, advantages, prompt_index, len(batch), parsed, tagged, s),
-                   lambda_mean=1 / inv_lambda[on],      # mean |λ| over tokens
-                   lambda_shared=inv_lambda[on] < 1)    # share of tokens with |λ| > 1
+    metrics |= sample_metrics(rewards, advantages, prompt_index, len(batch), parsed, tagged, s)
+    metrics |= dict(lambda_mean=1 / inv_lambda[on],    # mean |λ| over tokens
+                    lambda_shared=inv_lambda[on] < 1)  # share of tokens with |λ| > 1
     rows = Rows(prompts=prompts, prompt_index=prompt_index, parent=torch.full((len(ids),), -1),
                 completion_ids=ids, completion_mask=mask, advantages=advantages,
                 part_limits=[cfg.max_new_tokens], rewards=rewards,
@@ -492,39 +491,39 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # generate's rows: prompt-major
+    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) generate's order
     with timed(metrics, "time/sample"):
         th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                       stop_strings=["</think>"])
-        th_ids, th_mask = th.completion_ids.cpu(), th.completion_mask.cpu()
+        th_ids, th_mask = th.completion_ids.cpu(), th.completion_mask.cpu()  # (P·K, C)
         thought_texts = decode(tokenizer, th_ids, th_mask)
-        closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P*K,)
-        contexts = [prompts[r // K] + th_ids[r][th_mask[r].bool()].tolist()  # encoded anew
-                    for r in closed.nonzero().squeeze(1).tolist()]
+        closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
+        closed_rows = closed.nonzero().squeeze(1)  # the thoughts that get answers
+        contexts = [prompts[thought_prompt[r]] + th_ids[r][th_mask[r].bool()].tolist()
+                    for r in closed_rows.tolist()]  # prompt + thought, encoded anew
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    parents = closed.nonzero().squeeze(1).repeat_interleave(M)  # each answer's thought row
-    answer_prompt = parents // K  # thought r belongs to prompt r // K
+    answer_thought = closed_rows.repeat_interleave(M)  # (A,) each answer's thought row
+    answer_prompt = thought_prompt[answer_thought]  # (A,)
     references = [batch[p]["answer"] for p in answer_prompt.tolist()]
-    before = [cfg.response_prefix + thought_texts[r] for r in parents.tolist()]
+    before = [cfg.response_prefix + thought_texts[r] for r in answer_thought.tolist()]
     rewards, parsed, tagged = score_batch(tokenizer, ans, references, cfg.format_reward,
                                           cfg.answer_from, before)
-    thought_adv, answer_adv, values = ma_advantages(rewards, parents, thought_prompt,
+    thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    metrics.update(sample_metrics(rewards, answer_adv, answer_prompt, len(batch), parsed, tagged,
-                                  ans), thought_value=values, unclosed_thoughts=~closed,
-                   frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1),
-                   thought_length=th_mask.sum(1).float())
-    parent = torch.cat([torch.full((len(closed),), -1), parents])
-    two_parts, limits = cfg.ma_weighting == "parts", [cfg.max_new_tokens, cfg.max_answer_tokens]
-    pad = lambda tensors, value: pad_sequence(tensors, batch_first=True, padding_value=value)
-    rows = Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, answer_prompt]),
+    metrics |= sample_metrics(rewards, answer_adv, answer_prompt, len(batch), parsed, tagged, ans)
+    metrics |= dict(thought_value=values, unclosed_thoughts=~closed,  # (P·K,) each
+                    frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1),
+                    thought_length=th_mask.sum(1).float())
+    parent = torch.cat([torch.full((len(closed),), -1), answer_thought])  # thoughts, then answers
+    ids, masks = [*th_ids, *ans.completion_ids.cpu()], [*th_mask, *ans.completion_mask.cpu()]
+    two_parts = cfg.ma_weighting == "parts"  # part 0: the thoughts, part 1: the answers
+    return Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, answer_prompt]),
                 parent=parent, advantages=torch.cat([thought_adv, answer_adv]),
-                completion_ids=pad([*th_ids, *ans.completion_ids.cpu()], tokenizer.pad_token_id),
-                completion_mask=pad([*th_mask, *ans.completion_mask.cpu()], 0),
-                part=(parent >= 0).long() if two_parts else None,
-                part_limits=limits if two_parts else [max(limits)],
-                rewards=torch.cat([values, rewards]))
-    return rows, metrics
+                completion_ids=pad_sequence(ids, True, tokenizer.pad_token_id),
+                completion_mask=pad_sequence(masks, True), rewards=torch.cat([values, rewards]),
+                part=(parent >= 0).long() if two_parts else None,  # pooled: one part, longest limit
+                part_limits=[cfg.max_new_tokens, cfg.max_answer_tokens] if two_parts else
+                [max(cfg.max_new_tokens, cfg.max_answer_tokens)]), metrics
 
 # rollout_ta's rows for P = 1, N = 2, G = 2, one rephrasing drawn; all four form one group:
 #     row  phrasing  prompt_index: original / rephrased  question (the group id)
@@ -538,16 +537,17 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
     responses to each phrasing. Advantages are normalised over the question's (n+1)·G
     responses. --ta-anchor original takes every log-prob given q0: ta_advantages says why."""
     G, N, metrics = cfg.num_generations, cfg.num_rephrasings, {}
-    phrasings, q0_of, question, j = [], [], [], []  # j: a phrasing's place, 0 for q0
+    phrasings, phrasing_question, is_q0 = [], [], []  # per phrasing: ids, its question, is it q0
     for p, ex in enumerate(batch):
         drawn = rng.sample(ex["rephrasings"], min(N, len(ex["rephrasings"])))
-        q0_of.append(len(phrasings))
         for k, text in enumerate([ex["question"]] + drawn):
             phrasings.append(prompt_ids(tokenizer, text, cfg.system_prompt, cfg.response_prefix))
-            question.append(p), j.append(k)
+            phrasing_question.append(p)
+            is_q0.append(k == 0)
     with timed(metrics, "time/sample"):
         s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    question, j = (torch.tensor(x).repeat_interleave(G) for x in (question, j))  # per row
+    question = torch.tensor(phrasing_question).repeat_interleave(G)  # (B,) each row's group
+    from_q0 = torch.tensor(is_q0).repeat_interleave(G)  # (B,) the rows sampled after q0
     references = [batch[p]["answer"] for p in question.tolist()]
     r, parsed, tagged = score_batch(tokenizer, s, references, cfg.format_reward, cfg.answer_from,
                                     cfg.response_prefix)
@@ -555,11 +555,11 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
     else:  # the paper: every response's context is its question's q0
-        prompts, prompt_index = [phrasings[i] for i in q0_of], question
-    q0 = r[j == 0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
-    metrics.update(sample_metrics(r, advantages, question, len(batch), parsed, tagged, s),
-                   frac_reward_zero_std_q0=q0.amax(1) == q0.amin(1), reward_q0=q0,
-                   reward_rephrased=r[j > 0])
+        prompts, prompt_index = [ids for ids, q0 in zip(phrasings, is_q0) if q0], question
+    q0 = r[from_q0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
+    metrics |= sample_metrics(r, advantages, question, len(batch), parsed, tagged, s)
+    metrics |= dict(frac_reward_zero_std_q0=q0.amax(1) == q0.amin(1), reward_q0=q0,
+                    reward_rephrased=r[~from_q0])
     rows = Rows(prompts=prompts, prompt_index=prompt_index, parent=torch.full((len(r),), -1),
                 completion_ids=s.completion_ids.cpu(), completion_mask=s.completion_mask.cpu(),
                 advantages=advantages, part_limits=[cfg.max_new_tokens], rewards=r)
@@ -604,7 +604,8 @@ def global_loss_weights(rows: Rows, loss_type: str):
     for k, max_len in enumerate(rows.part_limits):
         in_part = part == k
         mask = rows.completion_mask[in_part]
-        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])  # Part II: sum over ranks
+        # all_reduce (Part II): sums over the ranks; without torchrun it returns its input
+        n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])
         weights[in_part] = aggregation_weights(mask, loss_type, n_rows, n_tokens, max_len)
         tokens += n_tokens
     if rows.inv_lambda is not None:
@@ -616,8 +617,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
     adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
     come first. The model is in train mode; Qwen and Llama have no dropout, so nothing changes.
-    To change how log-probs are taken, change plain_logps and use it here: it is the definition,
-    and `pytest -k shared_prefix` says whether rows_logps still gives the same numbers."""
+    """
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
@@ -647,7 +647,12 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     return metrics | log.result()
 
 # -----------------------------------------------------------------------------
-# 6. The training loop and the eval.
+# 6. The training loop and the eval. To change them, keep four rules that Part II relies on.
+# Each has tests to run after a change: pytest test_grpo.py -k NAME.
+#   the weights w count the whole batch, over micro-batches and ranks     pieces_weighted or gloo
+#   rows_logps gives plain_logps' numbers: change plain_logps, then check   shared_prefix
+#   a GRPO-MA thought shares its micro-batch with its answers               micro_batches
+#   a step's randomness comes from (seed, step, rank) alone: resumes repeat  resume
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
@@ -735,30 +740,25 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
         tagged += tags.sum().item()
         for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
             for k in range(1, n + 1):
-                pass_k[k - 1] += pass_at_k(n, correct, k)
+                pass_k[k - 1] += pass_at_k(n, correct, k)  # Part II: Chen et al.'s estimator
     totals = all_reduce([greedy, tagged] + pass_k)  # Part II: sums over the ranks
     result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
     for k in range(1, n + 1):
         result[f"pass@{k}"] = totals[1 + k] / len(examples)
     return result
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
 # Part II: the machinery ======================================================================
 # It makes Part I's computation fast, scalable and safe: shared contexts encoded once, the strict
 # number reader, sums over ranks and micro-batches, flags and data files, checkpoints, resume and
 # signals, and what a run shows. A first read can stop here.
 
-# The shared-prefix log-probs: plain_logps' numbers, each shared context encoded once.
+# The shared-prefix log-probs.
 
 def rows_logps(model, rows: Rows, temperature: float):
     """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
     rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
-    Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
+    Each pass feeds the last token of the context first, as generate does, so a context's cache
+    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
 
         pass      input     cache before     predicts   cache after
         prompt    p1 p2     -                -          p1 p2
@@ -771,31 +771,28 @@ def rows_logps(model, rows: Rows, temperature: float):
     B, C = rows.completion_ids.shape
     device = rows.completion_ids.device
     logps = torch.zeros(B, C, device=device)
-    top = (rows.parent < 0).nonzero().squeeze(1)  # the rows that continue a prompt directly
+    top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
     ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
-    after_top = continue_rows(model, ctx, rows, top, logps, temperature)
+    after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
     children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
     if len(children):
         slot = torch.full((B,), -1, dtype=torch.long, device=device)
         slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
-        assert (slot[rows.parent[children]] >= 0).all(), "a parent row must continue its prompt"
         after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
         continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
 
 def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
-    """rows_logps' pass: write the log-probs of rows idx, each after its context in ctx = (cache,
-    mask, last), into logps. Returns the contexts that end with those rows; the cache grows."""
-    cache, mask, last = ctx
-    n = int(rows.completion_mask[idx].sum(1).max())
-    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]
-    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # input t predicts target t
-    # inputs[:, t] is real exactly where target t is. The cache takes every input, so it ends one
-    # token short of each row: that last token is what a child row's pass feeds first
-    attn = torch.cat([mask, target_mask], 1)
-    hidden = run_decoder(model, inputs, attn, cache)
+    """rows_logps' pass: write the log-probs of the b rows idx, each after its context in ctx,
+    into logps. Returns the contexts that end with those rows, one token short; the cache grows."""
+    cache, mask, last = ctx  # the contexts' KV cache, mask (b, L), last token (b,)
+    n = int(rows.completion_mask[idx].sum(1).max())  # the longest of these completions
+    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]  # (b, n)
+    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # (b, n): input t predicts target t
+    attn = torch.cat([mask, target_mask], 1)  # (b, L + n): input t is real where target t is
+    hidden = run_decoder(model, inputs, attn, cache)  # (b, n, H); the cache now holds L + n
     logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # each row's last token
+    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # (b,) a row's last
     return cache, attn, last
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
@@ -1361,7 +1358,7 @@ def save_or_stop(cfg: Config, done: int, caught: list, model, tokenizer, optimiz
     if main_rank and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
         save()
     if all_reduce([len(caught)])[0] and done < cfg.steps:  # on every rank
-        if main_rank:  # nothing to write when this step was just saved
+        if main_rank:  # save() does nothing more when it has just saved this step
             save()
         all_reduce([0])  # no rank exits before the save: torchrun would stop rank 0 too
         message = (f"grpo.py: {(caught or ['a signal'])[0]} after step {done}: checkpoint "
@@ -1414,6 +1411,12 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
         for a in c.get("answers", []):
             lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
     tqdm.write("\n".join(lines))
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 def report(cfg: Config, wall_s: float) -> dict:
     """Print and save the summary: the first and last eval in metrics.jsonl, median phase times."""
