@@ -41,7 +41,8 @@ The variants change the advantages A, the weights w and the contexts:
             all (N+1)·G; every log-prob is taken given q0
 
 What the file simplifies: the sampler is a short KV-cache loop, not vLLM, and one process samples
-and trains. The reward reads one number or compares text; --answer-from math-verify grades LaTeX.
+and trains. π_old is the trainer's own forward pass, never the sampler's, so a mismatch between
+the two (bf16 sampling, say) goes uncorrected. The reward reads one number or compares text; --answer-from math-verify grades LaTeX.
 There is no LoRA: the reference is a full copy. GRPO-MA's unclosed thoughts get no answers and
 value 0; its two loss parts are our reading, since the paper publishes no weighting. TA-GRPO's
 rephrasings come from the data file. The learning rate warms up, then stays constant.
@@ -145,10 +146,10 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too:
     rollout_ta's prompt_index points at q0. At μ = 1 this is a policy gradient for π(· | q0) on
-    samples drawn from π(· | q_j), with no importance weight. So it is biased on purpose: not the
-    gradient of q0's expected reward. Why: the rephrasings explore. They make the model write
-    solutions it rarely writes for q0, and training π(· | q0) on them moves q0's answers toward
-    those. An importance weight π(o | q0) / π(o | q_j) would be far from 1 and mostly clipped.
+    samples drawn from π(· | q_j), with no importance weight. So it is biased on purpose: it is
+    not the gradient of q0's expected reward. Why: the rephrasings explore. They make the model
+    write solutions it rarely writes for q0, and training π(· | q0) on them moves q0's answers
+    toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1, mostly clipped.
     The paper's v5 takes this anchored ratio (arxiv.org/abs/2601.22478v5). --ta-anchor
     rephrased keeps each response's own prompt, as its code does (github.com/lhkhiem28/TA-GRPO).
     """
@@ -199,7 +200,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A piece of a batch, such as a micro-batch,
-    takes the whole batch's num_rows and num_tokens: the pieces' losses add up to the batch's.
+    takes the whole batch's num_rows and num_tokens. Then the pieces' losses add up to the batch's.
     TRL's bnpo is dapo with a micro-batch's own count; here the count is always the batch's.
     """
     mask = completion_mask.float()
@@ -229,7 +230,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
     At μ = 1 the old log-probs are logp.detach(). So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1.
     Both terms of the min are then ρA, since 1 is inside the clip range. Either term gives
-    ∂loss/∂logp = -w A, so it does not matter how torch splits the tie: this is the policy
+    ∂loss/∂logp = -w A, so it does not matter how torch splits the tie. This is the policy
     gradient. As in TRL, ε_high is ε when None. The metrics are token means.
     """
     mask = completion_mask.float()
@@ -260,8 +261,8 @@ NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think or answer
 FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
 
 def after_thought(text: str):
-    """The text after the first </think>, where the answer must be: all of it without a thought,
-    None when a <think> never closes. So an answer written inside the thought never counts."""
+    """The text after the first </think>, where the answer must be. A text without <think> is all
+    answer; a <think> that never closes gives None. So an answer inside the thought never counts."""
     if "<think>" in text and "</think>" not in text:
         return None
     return text.split("</think>", 1)[-1]
@@ -282,10 +283,10 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           answer_from: str = "tags"):
     """(reward, parsed) of one completion. The reward is 1 if the completion finished with EOS
     and its answer is the reference. It adds format_reward for exactly one <think>...</think>,
-    then one <answer>...</answer>. parsed says that an answer was read: for a numeric
-    reference, a number.
+    then one <answer>...</answer>. parsed says that an answer was read. For a numeric
+    reference, the answer must be a number.
     - A numeric reference wants the number itself: '1/2' equals '0.5'.
-    - Any other reference is compared as text by as_text: no whitespace, no \\boxed{} around it.
+    - Any other reference is compared as text by as_text, which drops whitespace and \\boxed{}.
     - With math-verify, Hugging Face's math_verify compares the two as LaTeX.
     """
     answer = extract_answer(text, answer_from)
@@ -322,7 +323,7 @@ def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="
 def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: str = ""):
     """The token ids of a question in the chat template, then the response prefix. The prefix is
     the reply's first words, as DeepSeek-R1's template ends with <think>. It is plain text,
-    tokenized alone, and belongs to the prompt: never sampled or trained."""
+    tokenized alone. It belongs to the prompt, so it is never sampled or trained."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -349,7 +350,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
 def prefill(model, prompts: list[list[int]], pad_id: int):
     """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
     last token. The next pass takes the last token as input; its output predicts a new token.
-    Left padding stays inside the cache: the mask hides it, and positions skip it (run_decoder)."""
+    Left padding stays inside the cache. The mask hides it, and run_decoder's positions skip it."""
     ids, mask = (x.to(next(model.parameters()).device) for x in left_pad(prompts, pad_id))
     cache = DynamicCache()
     if ids.shape[1] > 1:
@@ -378,7 +379,7 @@ class Samples:
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()) -> Samples:
     """n samples of each prompt, rows prompt-major. Each step draws one token per row from
-    softmax(logits / T), with no top-k or top-p: the distribution the loss's log-probs are of.
+    softmax(logits / T), with no top-k or top-p. The loss's log-probs are of this distribution.
     A row ends at an EOS, at the token that completes a stop string, or at max_new_tokens."""
     was_training = model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
@@ -487,7 +488,7 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
 def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
     """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>, then M
     answers per closed thought; ma_advantages scores them. An answer is sampled after prompt +
-    thought and scored on prefix + thought + answer. An open thought gets no answers: value 0."""
+    thought and scored on prefix + thought + answer. An open thought gets no answers, so V = 0."""
     K, M, metrics = cfg.num_thoughts, cfg.num_answers, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -575,7 +576,7 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 
 def plain_logps(model, rows: Rows, temperature: float):
     """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
-    before it. One forward pass per row over context + completion: this defines the log-probs."""
+    before it. One forward pass per row over context + completion. This defines the log-probs."""
     context_ids, context_mask = left_pad([rows.context(i) for i in range(len(rows))], 0)
     device = rows.completion_ids.device
     input_ids = torch.cat([context_ids.to(device), rows.completion_ids], 1)
@@ -656,7 +657,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
-    The prompts are drawn afresh each step from the seed and the step: there are no epochs. So a
+    The prompts are drawn afresh each step from the seed and the step. There are no epochs. So a
     resumed run continues the same stream. The step counts from 0 and is logged as step + 1."""
     t_step = time.perf_counter()
     rank, W = rank_and_world()  # Part II: (0, 1) without torchrun
