@@ -1,10 +1,7 @@
 """grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
-    python grpo.py                     # GRPO on the tiny model in data/: CPU, offline, ~40 s
-    python grpo.py --variant ma        # or lambda, ta
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --test-data test.jsonl \\
-        --max-new-tokens 512 --lr 1e-6          # one GPU, bf16 autocast
-    torchrun --nproc_per_node=8 grpo.py ...     # data parallel: each rank samples its share
+    python grpo.py                  # GRPO on the tiny model in data/: CPU, offline, ~40 s
+    python grpo.py --variant ma     # or lambda, ta; README.md: real models, torchrun
 
 One GRPO step, as train_step and update run it:
 
@@ -22,7 +19,8 @@ One GRPO step, as train_step and update run it:
     KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1      Schulman's k3, to a frozen copy
 
 The default takes one update per batch: μ = 1. Then π_old is π itself, so ρ = 1 and nothing is
-clipped. The gradient is the policy gradient -Σ w A ∇ log π.
+clipped. The gradient is the policy gradient -Σ w A ∇ log π. The other defaults: P = 16, G = 8,
+32 new tokens, dapo's w, β = 0; K = M = 4 for ma, N = 3 for ta.
 
 One step in numbers: G = 4 completions of 4, 4, 2 and 4 tokens score r = 1, 0, 0, 1. Their mean
 is 0.5 and their unbiased std 0.577, so A = +0.87, -0.87, -0.87, +0.87. Under dapo each of the
@@ -42,15 +40,18 @@ The variants change the advantages A, the weights w and the contexts:
 
 What the file simplifies: the sampler is a short KV-cache loop, not vLLM, and one process samples
 and trains. π_old is the trainer's own forward pass, never the sampler's, so a mismatch between
-the two (bf16 sampling, say) goes uncorrected. The reward reads one number or compares text; --answer-from math-verify grades LaTeX.
-There is no LoRA: the reference is a full copy. GRPO-MA's unclosed thoughts get no answers and
-value 0; its two loss parts are our reading, since the paper publishes no weighting. TA-GRPO's
-rephrasings come from the data file. The learning rate warms up, then stays constant.
+the two (bf16 sampling, say) goes uncorrected. The reward reads one number or compares text;
+--answer-from math-verify grades LaTeX. There is no LoRA: the reference is a full copy. GRPO-MA's
+unclosed thoughts get no answers and value 0; its two loss parts are our reading, since the paper
+publishes no weighting. TA-GRPO's rephrasings come from the data file. The learning rate warms
+up, then stays constant.
 
 Part I is the algorithm, complete for every variant. Its sections: 1 the schemes and the loss,
 2 the reward, 3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the
-loop and the eval. Part II is the machinery that makes the same computation fast, scalable and
-safe. Where Part I calls a piece of Part II, a comment says what it does.
+loop. Part II is the machinery: the answer reader, micro-batches, ranks, flags and files,
+checkpoints, the eval and the logs. Where Part I calls a piece of it, a comment says what it does.
+For plain GRPO alone, about 400 lines: this docstring, group_advantages, aggregation_weights,
+policy_loss, score, generate, rollout_grpo, plain_logps, update, train_step and train.
 """
 
 from __future__ import annotations
@@ -257,39 +258,19 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # 2. The reward: 1 for a finished completion whose answer is the reference. Model output is text:
 # it is read, never run.
 
-NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think or answer tag in it
-FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
-
-def after_thought(text: str):
-    """The text after the first </think>, where the answer must be. A text without <think> is all
-    answer; a <think> that never closes gives None. So an answer inside the thought never counts."""
-    if "<think>" in text and "</think>" not in text:
-        return None
-    return text.split("</think>", 1)[-1]
-
-def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer after the thought, or None. With tags and math-verify it is the last
-    <answer>...</answer>; without tags, the last \\boxed{}. With last-number it is the last
-    number and the text around it, as GSM8K is graded."""
-    text = after_thought(text)
-    if text is None:
-        return None
-    if answer_from == "last-number":
-        return last_number(text)  # Part II: the text from the number or '=' before the last one
-    found = tagged_answer(text)  # Part II: what the last <answer>...</answer> holds, or None
-    return found if found is not None else boxed(text)  # Part II: what the last box holds
-
 def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
           answer_from: str = "tags"):
     """(reward, parsed) of one completion. The reward is 1 if the completion finished with EOS
     and its answer is the reference. It adds format_reward for exactly one <think>...</think>,
     then one <answer>...</answer>. parsed says that an answer was read. For a numeric
     reference, the answer must be a number.
+    - The answer comes after the first </think>: the last <answer>...</answer>, else the last
+      \\boxed{}; with --answer-from last-number, the last number. A thought never closed has none.
     - A numeric reference wants the number itself: '1/2' equals '0.5'.
     - Any other reference is compared as text by as_text, which drops whitespace and \\boxed{}.
     - With math-verify, Hugging Face's math_verify compares the two as LaTeX.
     """
-    answer = extract_answer(text, answer_from)
+    answer = extract_answer(text, answer_from)  # Part II: the answer as the first rule says
     ref_num = parse_number(reference)  # Part II: the one number a text holds, or None
     answer_num = parse_number(answer) if answer is not None else None
     if answer_from == "math-verify":
@@ -299,7 +280,7 @@ def score(text: str, reference: str, finished: bool, format_reward: float = 0.0,
         parsed = answer is not None and (ref_num is None or answer_num is not None)
         correct = parsed and finished and (answer_num == ref_num if ref_num is not None
                                            else as_text(answer) == as_text(reference))
-    shaped = finished and FORMAT_RE.fullmatch(text) is not None
+    shaped = finished and FORMAT_RE.fullmatch(text) is not None  # Part II: <think>, then <answer>
     return float(correct) + format_reward * shaped, parsed
 
 def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="tags", before=""):
@@ -311,7 +292,7 @@ def score_batch(tokenizer, samples, references, format_reward=0.0, answer_from="
     texts = [b + text for b, text in zip(before, texts)]
     scored = [score(text, reference, done, format_reward, answer_from)
               for text, reference, done in zip(texts, references, samples.finished.tolist())]
-    tagged = [tagged_answer(after_thought(t) or "") is not None for t in texts]
+    tagged = [tagged_answer(after_thought(t) or "") is not None for t in texts]  # Part II
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
     parsed = torch.tensor([p for _, p in scored], dtype=torch.bool)
     return rewards, parsed, torch.tensor(tagged, dtype=torch.bool)
@@ -333,9 +314,13 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: st
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
-    ids = [torch.tensor(s, dtype=torch.long) for s in seqs]
-    return (pad_sequence(ids, batch_first=True, padding_value=pad_id, padding_side="left"),
-            pad_sequence([torch.ones_like(x) for x in ids], batch_first=True, padding_side="left"))
+    L = max((len(s) for s in seqs), default=1)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids, mask
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
     """The decoder's last hidden states (B, T, H) for input_ids (B, T), before the lm_head. The
@@ -418,15 +403,17 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 # -----------------------------------------------------------------------------
 # 4. The rows every variant produces, and one rollout per variant. A rollout samples and scores
 # this rank's share of a batch and returns (Rows, metrics). To add one, copy rollout_grpo and add
-# it to ROLLOUTS and to --variant's choices. cfg is Part II's Config: cfg.num_generations is the
-# flag --num-generations. A metric is a tensor; the log shows its mean over all ranks.
+# it to ROLLOUTS and to --variant's choices. A rollout that needs more, such as a reward model,
+# can enter ROLLOUTS as functools.partial(rollout, reward_model). cfg is Part II's Config:
+# cfg.num_generations is the flag --num-generations. A metric is a tensor; the log shows its mean
+# over all ranks.
 
 @dataclass
 class Rows:
     """What a rollout hands to update(), whichever the variant: completions and their advantages.
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
-    completion of row parent[i]. A context is named, not copied, so that it is encoded once.
+    completion of row parent[i]. A context is named, not copied, so the update encodes it once.
     Completions are right-padded: a mask is a run of 1s from column 0. The loss has one part per
     entry of part_limits, each aggregated alone: one part, or GRPO-MA's thoughts and answers.
     """
@@ -555,7 +542,7 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
     advantages = ta_advantages(r, question, cfg.scale_rewards)
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
-    else:  # the paper: every response's context is its question's q0
+    else:  # the paper: every response's context is its question's q0, the p-th of the q0s
         prompts, prompt_index = [ids for ids, q0 in zip(phrasings, is_q0) if q0], question
     q0 = r[from_q0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
     metrics |= sample_metrics(r, advantages, question, len(batch), parsed, tagged, s)
@@ -588,6 +575,47 @@ def plain_logps(model, rows: Rows, temperature: float):
     return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids,
                        rows.completion_mask, temperature)
 
+def rows_logps(model, rows: Rows, temperature: float):
+    """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
+    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
+    Each pass feeds the last token of the context first, as generate does, so a context's cache
+    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
+
+        pass      input     cache before     predicts   cache after
+        prompt    p1 p2     -                -          p1 p2
+        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
+        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
+
+    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
+    prompts do: the mask hides it and positions skip it. `pytest test_grpo.py -k shared_prefix`
+    checks values and gradients against plain_logps for every variant."""
+    B, C = rows.completion_ids.shape
+    device = rows.completion_ids.device
+    logps = torch.zeros(B, C, device=device)
+    top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
+    ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
+    after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
+    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
+    if len(children):
+        slot = torch.full((B,), -1, dtype=torch.long, device=device)
+        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
+        after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
+        continue_rows(model, after_top, rows, children, logps, temperature)
+    return logps
+
+def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
+    """rows_logps' pass: write the log-probs of the b rows idx, each after its context in ctx,
+    into logps. Returns the contexts that end with those rows, one token short; the cache grows."""
+    cache, mask, last = ctx  # the contexts' KV cache, mask (b, L), last token (b,)
+    n = int(rows.completion_mask[idx].sum(1).max())  # the longest of these completions
+    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]  # (b, n)
+    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # (b, n): input t predicts target t
+    attn = torch.cat([mask, target_mask], 1)  # (b, L + n): input t is real where target t is
+    hidden = run_decoder(model, inputs, attn, cache)  # (b, n, H); the cache now holds L + n
+    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
+    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # (b,) a row's last
+    return cache, attn, last
+
 def global_loss_weights(rows: Rows, loss_type: str):
     """(w, tokens): each token's weight w in J over the whole batch, (B, C), and its token count.
 
@@ -618,27 +646,27 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
     adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
     come first. The model is in train mode; Qwen and Llama have no dropout, so nothing changes.
+    At μ = 1 the logged loss is -Σ w A, which says little about progress: watch the reward.
     """
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
     micro = micro_batches(rows, cfg.micro_batch_size, device)
-    # rows_logps (Part II): plain_logps' numbers, with each shared context encoded once. It needs
-    # the KV cache, which HF's gradient checkpointing drops
+    # rows_logps: plain_logps' numbers, faster; HF's gradient checkpointing drops its cache
     logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
         with torch.no_grad():
-            mu_1 = cfg.num_iterations == 1  # then π_old is π: old = logps.detach() below
+            mu_1 = cfg.num_iterations == 1  # then π_old is π itself
             old = None if mu_1 else [logps_of(model, m, cfg.temperature) for m in micro]
             ref = [logps_of(ref_model, m, cfg.temperature) for m in micro] if cfg.beta else None
         for _ in range(cfg.num_iterations):
             for j, m in enumerate(micro):
                 logps = logps_of(model, m, cfg.temperature)  # (b, C)
+                old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1, ρ = 1 in value
                 loss, loss_metrics = policy_loss(
-                    logps, old[j] if old else logps.detach(), m.advantages, m.completion_mask,
-                    m.loss_weights, ref[j] if ref else None, cfg.beta, cfg.epsilon,
-                    cfg.epsilon_high)
+                    logps, old_logps, m.advantages, m.completion_mask, m.loss_weights,
+                    ref[j] if ref else None, cfg.beta, cfg.epsilon, cfg.epsilon_high)
                 loss.backward()
                 log.add(j, loss, loss_metrics)
             sum_gradients(model)  # Part II: over the ranks
@@ -648,7 +676,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     return metrics | log.result()
 
 # -----------------------------------------------------------------------------
-# 6. The training loop and the eval. To change them, keep four rules that Part II relies on.
+# 6. The training loop. To change it or update(), keep four rules that Part II relies on.
 # Each has tests to run after a change: pytest test_grpo.py -k NAME.
 #   the weights w count the whole batch, over micro-batches and ranks     pieces_weighted or gloo
 #   rows_logps gives plain_logps' numbers: change plain_logps, then check   shared_prefix
@@ -693,6 +721,7 @@ def train(cfg) -> dict:
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
     write = open_logs(cfg, state, rank)  # Part II: writes a metrics.jsonl line on rank 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    # evaluate (Part II): greedy accuracy and pass@k, sampled at T, on the held-out questions
     evaluation = lambda: evaluate(model, tokenizer, test_examples, cfg, cfg.seed + 12345)
     t0 = time.time()
     with signals_caught() as caught:  # Part II: SIGTERM or Ctrl-C asks for a stop
@@ -702,7 +731,7 @@ def train(cfg) -> dict:
         for step in tqdm(range(state["step"] if state else 0, cfg.steps), desc=cfg.variant,
                          disable=rank != 0):
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            with autocast:  # backward ops take their forward ops' dtypes; AdamW is not autocast
+            with autocast:  # bf16 matmuls on CUDA; AdamW's elementwise ops stay float32
                 metrics = train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step)
             scheduler.step()
             write({"step": step + 1, "lr": lr, **metrics})
@@ -714,87 +743,11 @@ def train(cfg) -> dict:
             save_or_stop(cfg, step + 1, caught, model, tokenizer, optimizer, scheduler)
     return report(cfg, time.time() - t0) if rank == 0 else None  # Part II: the summary
 
-@torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
-    from n = --eval-samples samples per question at the training temperature. Format is the share
-    with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
-    c % W, as one process would. GRPO-MA's eval samples plain completions, no tree."""
-    n, (rank, W) = cfg.eval_samples, rank_and_world()
-    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    size = max(1, max_rows // n)
-    greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
-    for c, start in enumerate(range(0, len(examples), size)):
-        if c % W != rank:
-            continue
-        torch.manual_seed(seed + c)
-        chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
-                   for ex in chunk]
-        references = [ex["answer"] for ex in chunk]
-        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        scored = score_batch(tokenizer, s, references, 0.0, cfg.answer_from, cfg.response_prefix)
-        greedy += scored[0].sum().item()
-        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards, _, tags = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
-                                       0.0, cfg.answer_from, cfg.response_prefix)
-        tagged += tags.sum().item()
-        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
-            for k in range(1, n + 1):
-                pass_k[k - 1] += pass_at_k(n, correct, k)  # Part II: Chen et al.'s estimator
-    totals = all_reduce([greedy, tagged] + pass_k)  # Part II: sums over the ranks
-    result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
-    for k in range(1, n + 1):
-        result[f"pass@{k}"] = totals[1 + k] / len(examples)
-    return result
+# Part II: the machinery. A first read can stop here. =========================================
+# It makes Part I's computation fast, scalable and safe: the answer reader, micro-batches, chunked
+# log-probs, sums over ranks, flags and files, checkpoints and signals, the eval and the logs.
 
-# Part II: the machinery ======================================================================
-# It makes Part I's computation fast, scalable and safe: shared contexts encoded once, the strict
-# number reader, sums over ranks and micro-batches, flags and data files, checkpoints, resume and
-# signals, and what a run shows. A first read can stop here.
-
-# The shared-prefix log-probs.
-
-def rows_logps(model, rows: Rows, temperature: float):
-    """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
-    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
-    Each pass feeds the last token of the context first, as generate does, so a context's cache
-    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
-
-        pass      input     cache before     predicts   cache after
-        prompt    p1 p2     -                -          p1 p2
-        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
-        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
-
-    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
-    prompts do: the mask hides it and positions skip it. `pytest test_grpo.py -k shared_prefix`
-    checks values and gradients against plain_logps for every variant."""
-    B, C = rows.completion_ids.shape
-    device = rows.completion_ids.device
-    logps = torch.zeros(B, C, device=device)
-    top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
-    ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
-    after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
-    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
-    if len(children):
-        slot = torch.full((B,), -1, dtype=torch.long, device=device)
-        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
-        after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
-        continue_rows(model, after_top, rows, children, logps, temperature)
-    return logps
-
-def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
-    """rows_logps' pass: write the log-probs of the b rows idx, each after its context in ctx,
-    into logps. Returns the contexts that end with those rows, one token short; the cache grows."""
-    cache, mask, last = ctx  # the contexts' KV cache, mask (b, L), last token (b,)
-    n = int(rows.completion_mask[idx].sum(1).max())  # the longest of these completions
-    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]  # (b, n)
-    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # (b, n): input t predicts target t
-    attn = torch.cat([mask, target_mask], 1)  # (b, L + n): input t is real where target t is
-    hidden = run_decoder(model, inputs, attn, cache)  # (b, n, H); the cache now holds L + n
-    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # (b,) a row's last
-    return cache, attn, last
+# The log-probs' chunked head, and the micro-batches with their shared contexts.
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1, else 0.
@@ -826,23 +779,20 @@ def micro_batches(rows: Rows, size: int, device="cpu") -> list[Rows]:
 
 def select_rows(rows: Rows, index: torch.Tensor, device="cpu") -> Rows:
     """The rows `index` on `device`, with only the prompts they use and the completion columns that
-    hold a token. A row's parent must be among them: prompt_index and parent are renumbered."""
+    hold a token. A row's parent must be among them. The indices are renumbered: rows 4, 5, 7,
+    where 7's parent is 4, become rows 0, 1, 2 with parent[2] = 0."""
     used = rows.prompt_index[index].unique()
     new_prompt = torch.full((len(rows.prompts),), -1, dtype=torch.long)
     new_prompt[used] = torch.arange(len(used))
     new_row = torch.full((len(rows),), -1, dtype=torch.long)
     new_row[index] = torch.arange(len(index))
     C = max(1, int(rows.completion_mask[index].sum(1).max()))
-    picked = {}
-    for f in fields(rows):
-        value = getattr(rows, f.name)
-        if isinstance(value, torch.Tensor):  # per-token tensors also lose their empty columns
-            value = value[index][:, :C] if value.dim() == 2 else value[index]
-        picked[f.name] = value
+    take = lambda x: x[index][:, :C] if x.dim() == 2 else x[index]  # (B, C) tensors lose columns
+    picked = {k: take(v) if torch.is_tensor(v) else v for k, v in vars(rows).items()}
     parent = picked["parent"]
-    picked["parent"] = torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1)
-    picked["prompt_index"] = new_prompt[picked["prompt_index"]]
-    picked["prompts"] = [rows.prompts[p] for p in used.tolist()]
+    picked.update(parent=torch.where(parent >= 0, new_row[parent.clamp(min=0)], -1),
+                  prompt_index=new_prompt[picked["prompt_index"]],
+                  prompts=[rows.prompts[p] for p in used.tolist()])
     return Rows(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in picked.items()})
 
 # -----------------------------------------------------------------------------
@@ -906,10 +856,9 @@ def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
     """(B,) bool: the rows whose text holds a stop string once this step's token is appended to
     texts[row]. A token may carry text past the string: BPE's '><' ends '</think>'."""
     pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
-    hit = []
     for row, piece in zip(active.tolist(), pieces):
         texts[row] += piece
-        hit.append(any(s in texts[row] for s in stop_strings))
+    hit = [any(s in texts[row] for s in stop_strings) for row in active.tolist()]
     return torch.tensor(hit, dtype=torch.bool, device=token.device)
 
 @contextlib.contextmanager
@@ -951,9 +900,8 @@ def setup_distributed(cfg: Config):
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, the number of ranks): (0, 1) without torchrun."""
-    if not torch.distributed.is_initialized():
-        return 0, 1
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dist = torch.distributed
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 def all_reduce(values: list[float]) -> list[float]:
     """Sum plain numbers over the ranks; identity in a single process."""
@@ -973,8 +921,31 @@ def sum_gradients(model):
                 torch.distributed.all_reduce(p.grad)
 
 # -----------------------------------------------------------------------------
-# The number reader of score. An answer is a number only when one number stands alone in it once
-# the wrappers are gone: a false positive is worse than a miss, as the policy is trained toward it.
+# The answer reader of score: where the answer is, and the number in it. An answer is a number
+# only when one number stands alone in it once the wrappers are gone. A false positive is worse
+# than a miss, as the policy is trained toward it.
+
+NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think or answer tag in it
+FORMAT_RE = re.compile(rf"\s*<think>{NO_TAG}</think>\s*<answer>{NO_TAG}</answer>\s*", re.DOTALL)
+
+def after_thought(text: str):
+    """The text after the first </think>, where the answer must be. A text without <think> is all
+    answer; a <think> that never closes gives None. So an answer inside the thought never counts."""
+    if "<think>" in text and "</think>" not in text:
+        return None
+    return text.split("</think>", 1)[-1]
+
+def extract_answer(text: str, answer_from: str = "tags"):
+    """The answer after the thought, or None. With tags and math-verify it is the last
+    <answer>...</answer>; without tags, the last \\boxed{}. With last-number it is the last
+    number and the text around it, as GSM8K is graded."""
+    text = after_thought(text)
+    if text is None:
+        return None
+    if answer_from == "last-number":
+        return last_number(text)  # Part II: the text from the number or '=' before the last one
+    found = tagged_answer(text)  # Part II: what the last <answer>...</answer> holds, or None
+    return found if found is not None else boxed(text)  # Part II: what the last box holds
 
 TEXT_RE = re.compile(r"\\text\{([^{}]*)\}")
 FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([0-9.,]+)\}\{([0-9.,]+)\}")  # \frac{a}{b} of numbers
@@ -1384,7 +1355,7 @@ def signals_caught():
             signal.signal(s, handler)
 
 # -----------------------------------------------------------------------------
-# What a run shows: a group as text now and then, and the summary at the end.
+# What a run shows: the eval, a group as text now and then, and the summary at the end.
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     """--log-completions: the first prompt's rows with reward, advantage and mean 1/|λ|, in a table
@@ -1399,10 +1370,9 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
                       "advantage": advantage.mean().item()}
         if rows.inv_lambda is not None:
             entries[i]["inv_lambda"] = rows.inv_lambda[i][on].mean().item()
-        if rows.parent[i] >= 0:  # an answer: listed under its thought
-            entries[int(rows.parent[i])].setdefault("answers", []).append(entries[i])
-        else:
-            completions.append(entries[i])
+        parent = int(rows.parent[i])  # an answer is listed under its thought
+        listed = entries[parent].setdefault("answers", []) if parent >= 0 else completions
+        listed.append(entries[i])
     with open(Path(cfg.out) / "completions.jsonl", "a") as f:
         f.write(json.dumps({"step": step, "question": question, "completions": completions}) + "\n")
     lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
@@ -1413,11 +1383,41 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
             lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
     tqdm.write("\n".join(lines))
 
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
+    """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
+    from n = --eval-samples samples per question at the training temperature. Format is the share
+    with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
+    c % W, as one process would. GRPO-MA's eval samples plain completions, no tree."""
+    n, (rank, W) = cfg.eval_samples, rank_and_world()
+    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    size = max(1, max_rows // n)
+    greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
+    for c, start in enumerate(range(0, len(examples), size)):
+        if c % W != rank:
+            continue
+        torch.manual_seed(seed + c)
+        chunk = examples[start:start + size]
+        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+                   for ex in chunk]
+        references = [ex["answer"] for ex in chunk]
+        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
+        scored = score_batch(tokenizer, s, references, 0.0, cfg.answer_from, cfg.response_prefix)
+        greedy += scored[0].sum().item()
+        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
+        rewards, _, tags = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
+                                       0.0, cfg.answer_from, cfg.response_prefix)
+        tagged += tags.sum().item()
+        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
+            for k in range(1, n + 1):
+                pass_k[k - 1] += pass_at_k(n, correct, k)  # Chen et al.'s unbiased estimator
+    totals = all_reduce([greedy, tagged] + pass_k)  # sums over the ranks
+    result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
+    return result | {f"pass@{k}": totals[1 + k] / len(examples) for k in range(1, n + 1)}
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 def report(cfg: Config, wall_s: float) -> dict:
     """Print and save the summary: the first and last eval in metrics.jsonl, median phase times."""
