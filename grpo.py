@@ -48,10 +48,8 @@ up, then stays constant.
 
 Part I is the algorithm, complete for every variant. Its sections: 1 the schemes and the loss,
 2 the reward, 3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the
-loop. Part II is the machinery: the answer reader, micro-batches, ranks, flags and files,
-checkpoints, the eval and the logs. Where Part I calls a piece of it, a comment says what it does.
-For plain GRPO alone, about 400 lines: this docstring, group_advantages, aggregation_weights,
-policy_loss, score, generate, rollout_grpo, plain_logps, update, train_step and train.
+loop and the eval. Part II is the machinery: shared contexts encoded once, the answer reader,
+ranks, flags and files, checkpoints and logs. Where Part I calls it, a comment says what it does.
 """
 
 from __future__ import annotations
@@ -403,10 +401,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 # -----------------------------------------------------------------------------
 # 4. The rows every variant produces, and one rollout per variant. A rollout samples and scores
 # this rank's share of a batch and returns (Rows, metrics). To add one, copy rollout_grpo and add
-# it to ROLLOUTS and to --variant's choices. A rollout that needs more, such as a reward model,
-# can enter ROLLOUTS as functools.partial(rollout, reward_model). cfg is Part II's Config:
-# cfg.num_generations is the flag --num-generations. A metric is a tensor; the log shows its mean
-# over all ranks.
+# it to ROLLOUTS and to --variant's choices; a reward model loaded in train can be bound in with
+# functools.partial. cfg is Part II's Config: cfg.num_generations is the flag --num-generations.
+# A metric is a tensor; the log shows its mean over all ranks.
 
 @dataclass
 class Rows:
@@ -414,8 +411,13 @@ class Rows:
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
     completion of row parent[i]. A context is named, not copied, so the update encodes it once.
-    Completions are right-padded: a mask is a run of 1s from column 0. The loss has one part per
-    entry of part_limits, each aggregated alone: one part, or GRPO-MA's thoughts and answers.
+    Completions are right-padded: a mask is a run of 1s from column 0.
+
+    Loss parts: GRPO-MA's thoughts and answers are two, each aggregated alone; other rollouts
+    make one. part_limits holds each part's length limit, which only dr_grpo divides by. Its
+    length is the number of parts, fixed by the rollout, so all ranks agree even when a rank's
+    rows lack a part. GRPO, one prompt, G = 2: prompts [ids], prompt_index [0, 0], parent
+    [-1, -1], advantages [+0.7, -0.7], part_limits [32].
     """
     prompts: list[list[int]]       # the distinct prompts, as token ids
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
@@ -423,8 +425,8 @@ class Rows:
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,), or (B, C) per token; finite
-    part_limits: list = field(default_factory=list)  # each loss part's length limit (dr_grpo's)
-    part: torch.Tensor | None = None  # (B,) each row's loss part: MA's thoughts 0, answers 1
+    part_limits: list = field(default_factory=list)  # one per loss part: its length limit
+    part: torch.Tensor | None = None  # (B,) each row's loss part; None: all 0
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|
     rewards: torch.Tensor | None = None  # (B,) shown by log_group; an MA thought's is its V
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J; update() sets it
@@ -504,14 +506,14 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
                     thought_length=th_mask.sum(1).float())
     parent = torch.cat([torch.full((len(closed),), -1), answer_thought])  # thoughts, then answers
     ids, masks = [*th_ids, *ans.completion_ids.cpu()], [*th_mask, *ans.completion_mask.cpu()]
-    two_parts = cfg.ma_weighting == "parts"  # part 0: the thoughts, part 1: the answers
+    part, part_limits = None, [max(cfg.max_new_tokens, cfg.max_answer_tokens)]  # one, pooled
+    if cfg.ma_weighting == "parts":  # part 0: the thoughts, part 1: the answers
+        part, part_limits = (parent >= 0).long(), [cfg.max_new_tokens, cfg.max_answer_tokens]
     return Rows(prompts=prompts, prompt_index=torch.cat([thought_prompt, answer_prompt]),
                 parent=parent, advantages=torch.cat([thought_adv, answer_adv]),
                 completion_ids=pad_sequence(ids, True, tokenizer.pad_token_id),
                 completion_mask=pad_sequence(masks, True), rewards=torch.cat([values, rewards]),
-                part=(parent >= 0).long() if two_parts else None,  # pooled: one part, longest limit
-                part_limits=[cfg.max_new_tokens, cfg.max_answer_tokens] if two_parts else
-                [max(cfg.max_new_tokens, cfg.max_answer_tokens)]), metrics
+                part=part, part_limits=part_limits), metrics
 
 # rollout_ta's rows for P = 1, N = 2, G = 2, one rephrasing drawn; all four form one group:
 #     row  phrasing  prompt_index: original / rephrased  question (the group id)
@@ -542,8 +544,9 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
     advantages = ta_advantages(r, question, cfg.scale_rewards)
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
-    else:  # the paper: every response's context is its question's q0, the p-th of the q0s
-        prompts, prompt_index = [ids for ids, q0 in zip(phrasings, is_q0) if q0], question
+    else:  # the paper: every response's context is its question's q0
+        q0_prompts = [ids for ids, first in zip(phrasings, is_q0) if first]  # question p's is p-th
+        prompts, prompt_index = q0_prompts, question
     q0 = r[from_q0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
     metrics |= sample_metrics(r, advantages, question, len(batch), parsed, tagged, s)
     metrics |= dict(frac_reward_zero_std_q0=q0.amax(1) == q0.amin(1), reward_q0=q0,
@@ -574,47 +577,6 @@ def plain_logps(model, rows: Rows, temperature: float):
     # token_logps (Part II): log softmax(lm_head(hidden) / T) at each target, in chunks
     return token_logps(model.lm_head, hidden[:, L - 1:-1], rows.completion_ids,
                        rows.completion_mask, temperature)
-
-def rows_logps(model, rows: Rows, temperature: float):
-    """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
-    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
-    Each pass feeds the last token of the context first, as generate does, so a context's cache
-    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
-
-        pass      input     cache before     predicts   cache after
-        prompt    p1 p2     -                -          p1 p2
-        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
-        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
-
-    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
-    prompts do: the mask hides it and positions skip it. `pytest test_grpo.py -k shared_prefix`
-    checks values and gradients against plain_logps for every variant."""
-    B, C = rows.completion_ids.shape
-    device = rows.completion_ids.device
-    logps = torch.zeros(B, C, device=device)
-    top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
-    ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
-    after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
-    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
-    if len(children):
-        slot = torch.full((B,), -1, dtype=torch.long, device=device)
-        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
-        after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
-        continue_rows(model, after_top, rows, children, logps, temperature)
-    return logps
-
-def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
-    """rows_logps' pass: write the log-probs of the b rows idx, each after its context in ctx,
-    into logps. Returns the contexts that end with those rows, one token short; the cache grows."""
-    cache, mask, last = ctx  # the contexts' KV cache, mask (b, L), last token (b,)
-    n = int(rows.completion_mask[idx].sum(1).max())  # the longest of these completions
-    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]  # (b, n)
-    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # (b, n): input t predicts target t
-    attn = torch.cat([mask, target_mask], 1)  # (b, L + n): input t is real where target t is
-    hidden = run_decoder(model, inputs, attn, cache)  # (b, n, H); the cache now holds L + n
-    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
-    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # (b,) a row's last
-    return cache, attn, last
 
 def global_loss_weights(rows: Rows, loss_type: str):
     """(w, tokens): each token's weight w in J over the whole batch, (B, C), and its token count.
@@ -652,7 +614,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
     micro = micro_batches(rows, cfg.micro_batch_size, device)
-    # rows_logps: plain_logps' numbers, faster; HF's gradient checkpointing drops its cache
+    # rows_logps (Part II): plain_logps' numbers, each shared context encoded once. It needs
+    # the KV cache, which HF's gradient checkpointing drops
     logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
@@ -676,12 +639,13 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     return metrics | log.result()
 
 # -----------------------------------------------------------------------------
-# 6. The training loop. To change it or update(), keep four rules that Part II relies on.
-# Each has tests to run after a change: pytest test_grpo.py -k NAME.
-#   the weights w count the whole batch, over micro-batches and ranks     pieces_weighted or gloo
-#   rows_logps gives plain_logps' numbers: change plain_logps, then check   shared_prefix
-#   a GRPO-MA thought shares its micro-batch with its answers               micro_batches
-#   a step's randomness comes from (seed, step, rank) alone: resumes repeat  resume
+# 6. The training loop and the eval. Where to make a change, and the tests that check it; all
+# of them run in about 20 s on a CPU: pytest test_grpo.py -k 'rows_carry or by_hand or ...'
+#   a scheme or a variant: section 1, a rollout, ROLLOUTS, --variant      rows_carry, by_hand
+#   the per-token loss (an entropy term, another KL): policy_loss         by_hand, kl
+#   the aggregation: aggregation_weights and --loss-type                  loss_types, pieces
+#   the log-probs: plain_logps first, then rows_logps to match it         shared_prefix
+#   the step or the loop, which resumes bit for bit: train_step, train    resume, reproducible
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
@@ -721,7 +685,6 @@ def train(cfg) -> dict:
     model, tokenizer, ref_model, optimizer, scheduler, state = load_run(cfg, device, checkpoint)
     write = open_logs(cfg, state, rank)  # Part II: writes a metrics.jsonl line on rank 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    # evaluate (Part II): greedy accuracy and pass@k, sampled at T, on the held-out questions
     evaluation = lambda: evaluate(model, tokenizer, test_examples, cfg, cfg.seed + 12345)
     t0 = time.time()
     with signals_caught() as caught:  # Part II: SIGTERM or Ctrl-C asks for a stop
@@ -743,11 +706,83 @@ def train(cfg) -> dict:
             save_or_stop(cfg, step + 1, caught, model, tokenizer, optimizer, scheduler)
     return report(cfg, time.time() - t0) if rank == 0 else None  # Part II: the summary
 
-# Part II: the machinery. A first read can stop here. =========================================
-# It makes Part I's computation fast, scalable and safe: the answer reader, micro-batches, chunked
-# log-probs, sums over ranks, flags and files, checkpoints and signals, the eval and the logs.
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
+    """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
+    from n = --eval-samples samples per question at the training temperature. Format is the share
+    with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
+    c % W, as one process would. GRPO-MA's eval samples plain completions, no tree."""
+    n, (rank, W) = cfg.eval_samples, rank_and_world()
+    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    size = max(1, max_rows // n)
+    greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
+    for c, start in enumerate(range(0, len(examples), size)):
+        if c % W != rank:
+            continue
+        torch.manual_seed(seed + c)
+        chunk = examples[start:start + size]
+        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+                   for ex in chunk]
+        references = [ex["answer"] for ex in chunk]
+        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
+        scored = score_batch(tokenizer, s, references, 0.0, cfg.answer_from, cfg.response_prefix)
+        greedy += scored[0].sum().item()
+        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
+        rewards, _, tags = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
+                                       0.0, cfg.answer_from, cfg.response_prefix)
+        tagged += tags.sum().item()
+        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
+            for k in range(1, n + 1):
+                pass_k[k - 1] += pass_at_k(n, correct, k)  # Part II: Chen et al.'s estimator
+    totals = all_reduce([greedy, tagged] + pass_k)  # Part II: sums over the ranks
+    result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
+    return result | {f"pass@{k}": totals[1 + k] / len(examples) for k in range(1, n + 1)}
 
-# The log-probs' chunked head, and the micro-batches with their shared contexts.
+# Part II: the machinery. A first read can stop here. =========================================
+# It makes Part I's computation fast, scalable and safe: shared contexts encoded once, the answer
+# reader, sums over micro-batches and ranks, flags and files, checkpoints and signals, the logs.
+
+# The shared-prefix log-probs: plain_logps' numbers, each shared context encoded once.
+
+def rows_logps(model, rows: Rows, temperature: float):
+    """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
+    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
+    Each pass feeds the last token of the context first, as generate does, so a context's cache
+    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
+
+        pass      input     cache before     predicts   cache after
+        prompt    p1 p2     -                -          p1 p2
+        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
+        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
+
+    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
+    prompts do: the mask hides it and positions skip it. Tested: pytest -k shared_prefix."""
+    B, C = rows.completion_ids.shape
+    device = rows.completion_ids.device
+    logps = torch.zeros(B, C, device=device)
+    top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
+    ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
+    after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
+    children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
+    if len(children):
+        slot = torch.full((B,), -1, dtype=torch.long, device=device)
+        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
+        after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
+        continue_rows(model, after_top, rows, children, logps, temperature)
+    return logps
+
+def continue_rows(model, ctx, rows: Rows, idx, logps, temperature: float):
+    """rows_logps' pass: write the log-probs of the b rows idx, each after its context in ctx,
+    into logps. Returns the contexts that end with those rows, one token short; the cache grows."""
+    cache, mask, last = ctx  # the contexts' KV cache, mask (b, L), last token (b,)
+    n = int(rows.completion_mask[idx].sum(1).max())  # the longest of these completions
+    target, target_mask = rows.completion_ids[idx, :n], rows.completion_mask[idx, :n]  # (b, n)
+    inputs = torch.cat([last[:, None], target[:, :-1]], 1)  # (b, n): input t predicts target t
+    attn = torch.cat([mask, target_mask], 1)  # (b, L + n): input t is real where target t is
+    hidden = run_decoder(model, inputs, attn, cache)  # (b, n, H); the cache now holds L + n
+    logps[idx, :n] = token_logps(model.lm_head, hidden, target, target_mask, temperature)
+    last = target.gather(1, (target_mask.sum(1) - 1)[:, None]).squeeze(1)  # (b,) a row's last
+    return cache, attn, last
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1, else 0.
@@ -805,8 +840,7 @@ class UpdateLog:
     def __init__(self, micro: list[Rows], tokens: int, cfg: Config):
         self.shares = [m.completion_mask.sum().item() / max(tokens, 1) for m in micro]
         self.passes, self.tokens, self.grad_norms = cfg.num_iterations, tokens, []
-        keys = ["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta)
-        self.totals = dict.fromkeys(keys, 0.0)
+        self.totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * (cfg.beta > 0), 0)
 
     def add(self, j: int, loss, metrics: dict):
         self.totals["loss"] += loss.item() / self.passes
@@ -849,8 +883,7 @@ def check_finite(logits):
 def eos_ids(model, tokenizer) -> list[int]:
     """The tokens that end a completion: the tokenizer's EOS and the generation config's."""
     ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids])
-    return sorted((ids | {tokenizer.eos_token_id}) - {None})
+    return sorted({*(ids if isinstance(ids, list) else [ids]), tokenizer.eos_token_id} - {None})
 
 def stop_string_hits(tokenizer, token, active, texts: list[str], stop_strings):
     """(B,) bool: the rows whose text holds a stop string once this step's token is appended to
@@ -1198,8 +1231,7 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
     if cfg.variant == "ta" and not any(ex["rephrasings"] for ex in examples):
         raise UserError(f"{cfg.data}: --variant ta needs examples with 'rephrasings'; none has any")
-    world = rank_and_world()[1]
-    if len(examples) < world:
+    if len(examples) < (world := rank_and_world()[1]):
         raise UserError(f"{cfg.data}: {len(examples)} examples, fewer than the {world} ranks")
     return examples, test_examples
 
@@ -1355,7 +1387,7 @@ def signals_caught():
             signal.signal(s, handler)
 
 # -----------------------------------------------------------------------------
-# What a run shows: the eval, a group as text now and then, and the summary at the end.
+# What a run shows: a group as text now and then, and the summary at the end.
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
     """--log-completions: the first prompt's rows with reward, advantage and mean 1/|λ|, in a table
@@ -1382,38 +1414,6 @@ def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
         for a in c.get("answers", []):
             lines.append(f"  {a['reward']:6.2f}  {a['advantage']:+9.2f}    -> {a['text'][:56]!r}")
     tqdm.write("\n".join(lines))
-
-@torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, pass@k and format on held-out questions. Each pass@k, for k = 1..n, comes
-    from n = --eval-samples samples per question at the training temperature. Format is the share
-    with answer tags. Chunk c of max_rows samples is seeded with seed + c and sampled by rank
-    c % W, as one process would. GRPO-MA's eval samples plain completions, no tree."""
-    n, (rank, W) = cfg.eval_samples, rank_and_world()
-    limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    size = max(1, max_rows // n)
-    greedy, tagged, pass_k = 0.0, 0.0, [0.0] * n  # sums over this rank's questions and samples
-    for c, start in enumerate(range(0, len(examples), size)):
-        if c % W != rank:
-            continue
-        torch.manual_seed(seed + c)
-        chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
-                   for ex in chunk]
-        references = [ex["answer"] for ex in chunk]
-        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        scored = score_batch(tokenizer, s, references, 0.0, cfg.answer_from, cfg.response_prefix)
-        greedy += scored[0].sum().item()
-        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards, _, tags = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
-                                       0.0, cfg.answer_from, cfg.response_prefix)
-        tagged += tags.sum().item()
-        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
-            for k in range(1, n + 1):
-                pass_k[k - 1] += pass_at_k(n, correct, k)  # Chen et al.'s unbiased estimator
-    totals = all_reduce([greedy, tagged] + pass_k)  # sums over the ranks
-    result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
-    return result | {f"pass@{k}": totals[1 + k] / len(examples) for k in range(1, n + 1)}
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
