@@ -69,7 +69,11 @@ from transformers import DynamicCache, HfArgumentParser
 
 # Part I: the algorithm =======================================================================
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch: paste it
-# alone into a file and its examples run.
+# alone into a file and its examples run. In your own trainer, with log-probs (B, T) of the
+# sampled tokens under π, π_old and the reference:
+#     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
+#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(ids, mask, G)
+#     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
 
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     """GRPO's advantage: each reward normalised within its group.
@@ -757,16 +761,14 @@ def rows_logps(model, rows: Rows, temperature: float):
 
     A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
     prompts do: the mask hides it and positions skip it. Tested: pytest -k shared_prefix."""
-    B, C = rows.completion_ids.shape
-    device = rows.completion_ids.device
-    logps = torch.zeros(B, C, device=device)
+    logps = torch.zeros_like(rows.completion_ids, dtype=torch.float32)  # (B, C)
     top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
     ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
     after_top = continue_rows(model, ctx, rows, top, logps, temperature)  # prompt + row, per row
     children = (rows.parent >= 0).nonzero().squeeze(1)  # GRPO-MA's answers, after their thought
     if len(children):
-        slot = torch.full((B,), -1, dtype=torch.long, device=device)
-        slot[top] = torch.arange(len(top), device=device)  # a top row's place in after_top
+        slot = torch.full_like(rows.parent, -1)
+        slot[top] = torch.arange(len(top), device=top.device)  # a top row's place in after_top
         after_top = reorder(after_top, slot[rows.parent[children]])  # each child: its parent's
         continue_rows(model, after_top, rows, children, logps, temperature)
     return logps
@@ -868,8 +870,7 @@ def check_rows(rows: Rows):
     assert (rows.parent[parents] < 0).all(), "a parent row continues its prompt (one level)"
 
 def clip_gradients(model, max_norm: float) -> float:
-    """Clip the gradient to norm max_norm; returns the norm before. A non-finite norm stops the run:
-    a NaN step would poison the weights for good."""
+    """Clip the gradient norm to max_norm; return the norm before. A NaN or inf stops the run."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     if not math.isfinite(norm):
         raise UserError(f"the gradient norm is {norm}, so the update was not applied; lower --lr")
@@ -921,8 +922,7 @@ def setup_distributed(cfg: Config):
     if world == 1:
         return 0, device
     if cfg.prompts_per_step % world:
-        raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the "
-                        f"{world} ranks")
+        raise UserError(f"--prompts-per-step {cfg.prompts_per_step}: {world} ranks must divide it")
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
