@@ -19,8 +19,8 @@ One GRPO step, as train_step and update run it:
     KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1      Schulman's k3, to a frozen copy
 
 The default takes one update per batch: μ = 1. Then π_old is π itself, so ρ = 1 and nothing is
-clipped. The gradient is the policy gradient -Σ w A ∇ log π. The other defaults: P = 16, G = 8,
-32 new tokens, dapo's w, β = 0; K = M = 4 for ma, N = 3 for ta.
+clipped. The gradient is the policy gradient -Σ w A ∇ log π. Defaults: P = 16, G = 8, 32 new
+tokens, dapo's w, β = 0; K = M = 4 for ma; N = 3 for ta. A batch is (B, C): B rows by C tokens.
 
 One step in numbers: G = 4 completions of 4, 4, 2 and 4 tokens score r = 1, 0, 0, 1. Their mean
 is 0.5 and their unbiased std 0.577, so A = +0.87, -0.87, -0.87, +0.87. Under dapo each of the
@@ -69,7 +69,7 @@ from transformers import DynamicCache, HfArgumentParser
 
 # Part I: the algorithm =======================================================================
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch: paste it
-# alone into a file and its examples run. In your own trainer, with log-probs (B, T) of the
+# alone into a file and its examples run. In your own trainer, with log-probs (B, C) of the
 # sampled tokens under π, π_old and the reference:
 #     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(ids, mask, G)
@@ -159,7 +159,7 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO's token weights 1/|λ(i,t)|, (B, T), 0 off the mask.
+    """λ-GRPO's token weights 1/|λ(i,t)|, (B, C), 0 off the mask.
 
     |λ(i,t)| counts the completions of i's group that agree with i on tokens 0..t. It counts
     i itself and exact duplicates. So a prefix shared by k completions is trained once, not k
@@ -182,17 +182,17 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
     The normaliser stays the raw token count. The loss's scale shrinks, which Adam mostly cancels.
     Every pair of a group's rows is compared: ~4·B·G·T bytes.
     """
-    B, T = completion_ids.shape
-    ids = completion_ids.reshape(-1, group_size, T)  # (groups, G, T)
-    mask = completion_mask.reshape(-1, group_size, T).bool()
-    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, T)
+    B, C = completion_ids.shape
+    ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
+    mask = completion_mask.reshape(-1, group_size, C).bool()
+    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, C)
     # a running product turns "equal at t" into "equal up to t"
-    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)  # |λ|, (groups, G, T)
-    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, T)
+    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)  # |λ|, (groups, G, C)
+    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, C)
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
-    """(B, T) weight w of each token in the loss, as TRL aggregates. |o_i| is row i's length.
+    """(B, C) weight w of each token in the loss, as TRL aggregates. |o_i| is row i's length.
 
         dapo     1 / (all tokens)                     one token mean over the batch
         grpo     1 / (rows · |o_i|)                   the mean over rows of each row's token mean
@@ -219,7 +219,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """The loss -J to minimise, and its metrics. Tensors are (B, T); advantages (B,) or (B, T).
+    """The loss -J to minimise, and its metrics. Tensors are (B, C); advantages (B,) or (B, C).
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
@@ -238,12 +238,12 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    adv = torch.where(mask.bool(), adv, 0.0)  # (B, T), 0 off the mask
+    adv = torch.where(mask.bool(), adv, 0.0)  # (B, C), 0 off the mask
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # ρ
     surrogate = ratio * adv
     clipped_surrogate = ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv
-    loss = -torch.min(surrogate, clipped_surrogate)  # (B, T)
+    loss = -torch.min(surrogate, clipped_surrogate)  # (B, C)
     metrics, n = {}, mask.sum().clamp(min=1)
     if beta:
         assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
@@ -405,9 +405,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 # -----------------------------------------------------------------------------
 # 4. The rows every variant produces, and one rollout per variant. A rollout samples and scores
 # this rank's share of a batch and returns (Rows, metrics). To add one, copy rollout_grpo and add
-# it to ROLLOUTS and to --variant's choices; a reward model loaded in train can be bound in with
-# functools.partial. cfg is Part II's Config: cfg.num_generations is the flag --num-generations.
-# A metric is a tensor; the log shows its mean over all ranks.
+# it to ROLLOUTS and to --variant's choices; any callable will do, one that closes over a reward
+# model too. cfg is Part II's Config: cfg.num_generations is the flag --num-generations. A metric
+# is a tensor; the log shows its mean over all ranks.
 
 @dataclass
 class Rows:
@@ -460,7 +460,7 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
                                           cfg.answer_from, cfg.response_prefix)
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)  # also each row's group
     advantages = group_advantages(rewards, prompt_index, cfg.scale_rewards)
-    inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()
+    inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()  # the loss uses it under lambda
     # sample_metrics (Part II): reward, length and the like, which every rollout logs
     metrics |= sample_metrics(rewards, advantages, prompt_index, len(batch), parsed, tagged, s)
     metrics |= dict(lambda_mean=1 / inv_lambda[on],    # mean |λ| over tokens
