@@ -330,7 +330,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     covers both, (B, L + T), with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # cache= since 5.24
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # 5.17: past_key_values=
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
@@ -345,8 +345,8 @@ def prefill(model, prompts: list[list[int]], pad_id: int):
     return cache, mask[:, :-1], ids[:, -1]
 
 def reorder(context, index):
-    """A prefill's (cache, mask, last) with rows `index`: a repeated index copies a context to
-    several rows. reorder_cache and index_select have a deterministic CPU backward; x[i] has not."""
+    """A prefill's (cache, mask, last) with rows `index`, the cache reordered in place: a repeated
+    index copies a context to several rows. Its CPU backward is deterministic; x[i]'s is not."""
     cache, mask, last = context
     cache.reorder_cache(index)
     return cache, mask.index_select(0, index), last.index_select(0, index)
@@ -417,11 +417,10 @@ class Rows:
     completion of row parent[i]. A context is named, not copied, so the update encodes it once.
     Completions are right-padded: a mask is a run of 1s from column 0.
 
-    Loss parts: GRPO-MA's thoughts and answers are two, each aggregated alone; other rollouts
-    make one. part_limits holds each part's length limit, which only dr_grpo divides by. Its
-    length is the number of parts, fixed by the rollout, so all ranks agree even when a rank's
-    rows lack a part. GRPO, one prompt, G = 2: prompts [ids], prompt_index [0, 0], parent
-    [-1, -1], advantages [+0.7, -0.7], part_limits [32].
+    GRPO, one prompt, G = 2: prompts [ids], prompt_index [0, 0], parent [-1, -1], advantages
+    [+0.7, -0.7], part_limits [32]. The loss has one part here. GRPO-MA's thoughts and answers
+    are two parts, aggregated alone (global_loss_weights). part_limits has one length limit per
+    part, which only dr_grpo divides by; its length tells every rank how many parts there are.
     """
     prompts: list[list[int]]       # the distinct prompts, as token ids
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
@@ -496,7 +495,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
         contexts = [prompts[thought_prompt[r]] + th_ids[r][th_mask[r].bool()].tolist()
                     for r in closed_rows.tolist()]  # prompt + thought, encoded anew
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    answer_thought = closed_rows.repeat_interleave(M)  # (A,) each answer's thought row
+    answer_thought = closed_rows.repeat_interleave(M)  # (A,) each answer's thought: its row too
     answer_prompt = thought_prompt[answer_thought]  # (A,)
     references = [batch[p]["answer"] for p in answer_prompt.tolist()]
     before = [cfg.response_prefix + thought_texts[r] for r in answer_thought.tolist()]
