@@ -46,10 +46,9 @@ unclosed thoughts get no answers and value 0; its two loss parts are our reading
 publishes no weighting. TA-GRPO's rephrasings come from the data file. The learning rate warms
 up, then stays constant.
 
-Part I is the algorithm, complete for every variant. Its sections: 1 the schemes and the loss,
-2 the reward, 3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the
-loop and the eval. Part II is the machinery: shared contexts encoded once, the answer reader,
-ranks, flags and files, checkpoints and logs. Where Part I calls it, a comment says what it does.
+Part I is the algorithm, complete for every variant: 1 the schemes and the loss, 2 the reward,
+3 the sampler, 4 the rows and the rollouts, 5 the log-probs and the update, 6 the loop and the
+eval. Part II makes them fast, scalable and safe; a comment says what each call into it does.
 """
 
 from __future__ import annotations
@@ -86,8 +85,9 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    A group whose rewards are all equal gets exactly 0, as the second one here. This is needed
-    because a float mean can miss equal rewards by ~1e-8, and std + eps would scale that up.
+    eps makes the 0.5 and 1.5 here read 0.4999 and 1.4997. A group whose rewards are all equal
+    gets exactly 0, as the second one: a float mean can miss equal rewards by ~1e-8, and
+    std + eps would scale that up.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n
@@ -360,7 +360,7 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 class Samples:
     completion_ids: torch.Tensor   # (B, C) right-padded with pad
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the token that ended the row
-    finished: torch.Tensor         # (B,) ended with EOS
+    finished: torch.Tensor         # (B,) ended with EOS; a stop string does not count
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
@@ -412,15 +412,15 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 @dataclass
 class Rows:
     """What a rollout hands to update(), whichever the variant: completions and their advantages.
+    A rollout sets every field without a default. part is GRPO-MA's; inv_lambda is λ-GRPO's.
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
     completion of row parent[i]. A context is named, not copied, so the update encodes it once.
     Completions are right-padded: a mask is a run of 1s from column 0.
 
     GRPO, one prompt, G = 2: prompts [ids], prompt_index [0, 0], parent [-1, -1], advantages
-    [+0.7, -0.7], part_limits [32]. The loss has one part here. GRPO-MA's thoughts and answers
-    are two parts, aggregated alone (global_loss_weights). part_limits has one length limit per
-    part, which only dr_grpo divides by; its length tells every rank how many parts there are.
+    [+0.7, -0.7], rewards [1, 0], part_limits [32]. The loss has one part here. GRPO-MA's
+    thoughts and answers can be two, part 0 and part 1, each aggregated alone.
     """
     prompts: list[list[int]]       # the distinct prompts, as token ids
     prompt_index: torch.Tensor     # (B,) the prompt each row continues
@@ -428,10 +428,10 @@ class Rows:
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,), or (B, C) per token; finite
-    part_limits: list = field(default_factory=list)  # one per loss part: its length limit
-    part: torch.Tensor | None = None  # (B,) each row's loss part; None: all 0
+    rewards: torch.Tensor          # (B,) shown by log_group; an MA thought's is its V
+    part_limits: list              # each loss part's length limit, which dr_grpo divides by
+    part: torch.Tensor | None = None  # (B,) each row's loss part; None: all in part 0
     inv_lambda: torch.Tensor | None = None  # (B, C) λ-GRPO's 1/|λ|
-    rewards: torch.Tensor | None = None  # (B,) shown by log_group; an MA thought's is its V
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J; update() sets it
 
     def __len__(self):
@@ -495,7 +495,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict], rng):
         contexts = [prompts[thought_prompt[r]] + th_ids[r][th_mask[r].bool()].tolist()
                     for r in closed_rows.tolist()]  # prompt + thought, encoded anew
         ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    answer_thought = closed_rows.repeat_interleave(M)  # (A,) each answer's thought: its row too
+    answer_thought = closed_rows.repeat_interleave(M)  # (A,) each answer's thought, also its row
     answer_prompt = thought_prompt[answer_thought]  # (A,)
     references = [batch[p]["answer"] for p in answer_prompt.tolist()]
     before = [cfg.response_prefix + thought_texts[r] for r in answer_thought.tolist()]
@@ -596,7 +596,7 @@ def global_loss_weights(rows: Rows, loss_type: str):
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
     for k, max_len in enumerate(rows.part_limits):
-        in_part = part == k
+        in_part = part == k  # every rank runs every part, so that the all_reduce calls match
         mask = rows.completion_mask[in_part]
         # all_reduce (Part II): sums over the ranks; without torchrun it returns its input
         n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])
@@ -610,16 +610,17 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
     The weights w count the whole batch, so a micro-batch's loss is its piece of -J. backward()
     adds up the pieces' gradients. The old log-probs at μ > 1, and the reference's at β > 0,
-    come first. The model is in train mode; Qwen and Llama have no dropout, so nothing changes.
-    At μ = 1 the logged loss is -Σ w A, which says little about progress: watch the reward.
+    come first. At μ = 1 the logged loss is -Σ w A, which says little about progress: watch the
+    reward. test_update_works_one_grpo_step_by_hand checks one step's gradient by hand.
     """
     metrics, device = {}, next(model.parameters()).device
     rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
     # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
     micro = micro_batches(rows, cfg.micro_batch_size, device)
-    # rows_logps (Part II): plain_logps' numbers, each shared context encoded once. It needs
-    # the KV cache, which HF's gradient checkpointing drops
-    logps_of = plain_logps if cfg.gradient_checkpointing else rows_logps
+    # rows_logps (Part II) gives plain_logps' numbers, to float rounding, and is only faster: it
+    # encodes each shared context once (pytest -k shared_prefix). --plain-logps runs plain_logps
+    # itself, as does --gradient-checkpointing, since HF's drops the KV cache.
+    logps_of = plain_logps if cfg.plain_logps or cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
         with torch.no_grad():
@@ -647,7 +648,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 #   a scheme or a variant: section 1, a rollout, ROLLOUTS, --variant      rows_carry, by_hand
 #   the per-token loss (an entropy term, another KL): policy_loss         by_hand, kl
 #   the aggregation: aggregation_weights and --loss-type                  loss_types, pieces
-#   the log-probs: plain_logps first, then rows_logps to match it         shared_prefix
+#   the log-probs: plain_logps, run with --plain-logps; then rows_logps   shared_prefix
 #   the step or the loop, which resumes bit for bit: train_step, train    resume, reproducible
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
@@ -655,17 +656,12 @@ def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int)
     The prompts are drawn afresh each step from the seed and the step. There are no epochs. So a
     resumed run continues the same stream. The step counts from 0 and is logged as step + 1."""
     t_step = time.perf_counter()
-    rank, W = rank_and_world()  # Part II: (0, 1) without torchrun
-    data_rng = random.Random(cfg.seed * 1_000_003 + step)
-    torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
-    # every rank takes the same number of whole groups; a data file smaller than P leaves fewer
-    P = min(cfg.prompts_per_step, len(examples) // W * W)
-    batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
-    rank_rng = random.Random(f"rephrasings {cfg.seed} {step} {rank}")  # TA's draws, per rank
-    rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rank_rng)
+    # Part II: this rank's share of the P prompts, a rng for TA's draws, and torch's seed for
+    # sampling, each from the seed, the step and the rank
+    batch, rng = draw_batch(cfg, examples, step)
+    rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
     metrics = global_means(metrics)  # Part II: each metric's mean over all ranks
-    if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
-        log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)  # Part II: one group
+    log_group(cfg, tokenizer, batch[0]["question"], rows, step + 1)  # Part II: one group, if due
     metrics.update(update(model, ref_model, optimizer, rows, cfg))
     metrics["time/step"] = time.perf_counter() - t_step  # this rank's; rank 0 logs
     metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/sample"]
@@ -677,9 +673,8 @@ def train(cfg) -> dict:
         eval the starting policy
         for each step: train_step, the schedule, a metrics line, an eval when due,
                        a checkpoint when due, or a stop after SIGTERM
-        print the summary: the first eval against the last
-
-    It returns the summary on rank 0 and None on the other ranks."""
+        print and return the summary, the first eval against the last: on rank 0; None elsewhere
+    """
     # Part II: ranks, data, run folder; the policy, a frozen reference if β > 0, AdamW, a warmup,
     # and state: the checkpoint's that --resume continues from, or None
     rank, device = setup_distributed(cfg)
@@ -741,11 +736,7 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
     result = {"greedy": totals[0] / len(examples), "format": totals[1] / (len(examples) * n)}
     return result | {f"pass@{k}": totals[1 + k] / len(examples) for k in range(1, n + 1)}
 
-# Part II: the machinery. A first read can stop here. =========================================
-# It makes Part I's computation fast, scalable and safe: shared contexts encoded once, the answer
-# reader, sums over micro-batches and ranks, flags and files, checkpoints and signals, the logs.
-
-# The shared-prefix log-probs: plain_logps' numbers, each shared context encoded once.
+# Part II: the machinery, which makes Part I fast, scalable and safe. A first read can stop here.
 
 def rows_logps(model, rows: Rows, temperature: float):
     """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
@@ -853,8 +844,7 @@ class UpdateLog:
         return totals | {"grad_norm": float(np.mean(self.grad_norms)), "tokens": self.tokens}
 
 def sample_metrics(rewards, advantages, groups, num_groups, parsed, tagged, samples) -> dict:
-    """What every rollout logs. reward is that of the completions scored. frac_reward_zero_std
-    is the share of groups without a signal, every advantage 0."""
+    """What every rollout logs; frac_reward_zero_std: the share of groups with every A = 0."""
     signal = ((advantages != 0).any(1) if advantages.dim() == 2 else advantages != 0).float()
     nonzero = torch.zeros(num_groups).index_add(0, groups, signal)
     return {"reward": rewards, "frac_reward_zero_std": nonzero == 0,
@@ -912,8 +902,7 @@ def global_means(metrics: dict) -> dict:
     return metrics | {key: totals[i] / counts[i] if counts[i] else math.nan
                       for i, key in enumerate(keys)}
 
-# Data parallel (torchrun): each rank samples whole groups for its share of the prompts; metrics
-# are of the global batch; gradients are summed over the ranks; rank 0 writes and saves.
+# Data parallel (torchrun): each rank samples whole groups; sums are global; rank 0 writes.
 
 def setup_distributed(cfg: Config):
     """Join torchrun's process group, NCCL on GPUs and gloo on CPU; returns (rank, device)."""
@@ -929,6 +918,17 @@ def setup_distributed(cfg: Config):
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=datetime.timedelta(hours=2))
     return int(os.environ["RANK"]), device
+
+def draw_batch(cfg: Config, examples: list[dict], step: int):
+    """(this rank's share of the step's P prompts, a rng for TA's rephrasings). They and torch's
+    seed come from the seed, the step and the rank, so a resumed run draws the same."""
+    rank, W = rank_and_world()
+    data_rng = random.Random(cfg.seed * 1_000_003 + step)
+    torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
+    # every rank takes the same number of whole groups; a data file smaller than P leaves fewer
+    P = min(cfg.prompts_per_step, len(examples) // W * W)
+    batch = data_rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
+    return batch, random.Random(f"rephrasings {cfg.seed} {step} {rank}")
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, the number of ranks): (0, 1) without torchrun."""
@@ -968,9 +968,8 @@ def after_thought(text: str):
     return text.split("</think>", 1)[-1]
 
 def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer after the thought, or None. With tags and math-verify it is the last
-    <answer>...</answer>; without tags, the last \\boxed{}. With last-number it is the last
-    number and the text around it, as GSM8K is graded."""
+    """The answer after the thought, or None: the last <answer>...</answer>, else the last
+    \\boxed{}. With last-number, the last number and the text around it, as GSM8K is graded."""
     text = after_thought(text)
     if text is None:
         return None
@@ -1129,10 +1128,9 @@ class Config:
     epsilon: float = _opt(0.2, "clip range of the ratio, and its upper one by default [>= 0]")
     epsilon_high: float | None = _opt(None, "upper clip range; DAPO's is 0.28 [>= 0]")
     num_iterations: int = _opt(1, "mu: updates per sampled batch [>= 1]")
-    answer_from: str = _opt("tags", "the last <answer> tags, else the last \\boxed; the last "
-                            "number; or the tags' answer as LaTeX, graded by math_verify: "
-                            "symbolic equality counts, and it reads \\boxed{5}x as 5 (pip "
-                            "install math-verify)", ["tags", "last-number", "math-verify"])
+    answer_from: str = _opt("tags", "the last <answer> tags, else \\boxed; the last number; or "
+                            "the tags' answer graded as LaTeX by math_verify (pip install "
+                            "math-verify)", ["tags", "last-number", "math-verify"])
     format_reward: float = _opt(0.0, "reward for one <think>..</think><answer>..</answer> [>= 0]")
     lr: float = _opt(2e-4, "AdamW learning rate; ~1e-6 for real models [> 0]")
     warmup_steps: int = _opt(10, "linear warmup over steps, then constant [>= 0]")
@@ -1152,6 +1150,8 @@ class Config:
     seed: int = _opt(0, "seed for data order, sampling and init")
     device: str = _opt("auto", "auto: cuda or mps if any, else cpu", ["auto", "cuda", "mps", "cpu"])
     gradient_checkpointing: bool = _opt(False, "trade compute for activation memory (real models)")
+    plain_logps: bool = _opt(False, "the update takes plain_logps, Part I's definition, not "
+                             "rows_logps: the same numbers, slower")
 
 class UserError(Exception):
     """A bad flag, data line or file: main() prints it as one line, without a traceback."""
@@ -1389,8 +1389,10 @@ def signals_caught():
 # What a run shows: a group as text now and then, and the summary at the end.
 
 def log_group(cfg: Config, tokenizer, question: str, rows: Rows, step: int):
-    """--log-completions: the first prompt's rows with reward, advantage and mean 1/|λ|, in a table
-    and completions.jsonl. MA lists answers under thoughts; TA's rephrased anchor shows q0's G."""
+    """Every --log-completions steps, on rank 0: the first prompt's rows with reward, advantage and
+    mean 1/|λ|, as a table and in completions.jsonl. MA lists answers under their thought."""
+    if rank_and_world()[0] != 0 or not cfg.log_completions or step % cfg.log_completions:
+        return
     shown = (rows.prompt_index == 0).nonzero().squeeze(1).tolist()
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     entries, completions = {}, []
@@ -1429,7 +1431,6 @@ def report(cfg: Config, wall_s: float) -> dict:
     summary = {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after,
                "wall_s": wall_s, "median_seconds_per_step": phases}
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("median seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])  # a resume may change n
     line = [f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in shown if k in before and k in after]
     print(f"{cfg.variant}: " + " | ".join(line) + f" | {wall_s:.0f} s")

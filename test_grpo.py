@@ -45,12 +45,14 @@ def tiny():
 
 def make_rows(prompts, completion_ids, completion_mask, **fields):
     """grpo.Rows by keyword, the one place the tests build them: unless `fields` say otherwise, every row
-    continues prompt 0 directly, its advantage is 0, and the rows are one loss part (limit: their width)."""
+    continues prompt 0 directly, its advantage and reward are 0, and the rows are one loss part (limit: their
+    width)."""
     B, C = completion_ids.shape
     fields.setdefault("prompt_index", torch.zeros(B, dtype=torch.long))
     fields.setdefault("parent", torch.full((B,), -1))
     fields.setdefault("advantages", torch.zeros(B))
     fields.setdefault("part_limits", [C])
+    fields.setdefault("rewards", torch.zeros(B))
     return grpo.Rows(prompts=prompts, completion_ids=completion_ids, completion_mask=completion_mask, **fields)
 
 
@@ -613,19 +615,19 @@ def test_sampling_is_in_eval_mode_even_with_dropout_and_gradient_checkpointing(t
     assert noisy.training
 
 
-def test_gradient_checkpointing_gives_the_same_run(tmp_path):
-    """--gradient-checkpointing takes the row-by-row pass (HF drops the cache then); the run is the same up to
-    float32 rounding."""
-    runs = []
-    for flags in ([], ["--gradient-checkpointing"]):
-        out = tmp_path / str(len(flags))
-        grpo.main(SMALL + ["--out", str(out), "--steps", "3", "--beta", "0.04"] + flags)
-        runs.append([json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()])
-    for a, b in zip(*runs):
-        assert a.keys() == b.keys() and a.get("eval") == b.get("eval")
+def test_the_row_by_row_pass_gives_the_same_run(tmp_path, monkeypatch):
+    """--plain-logps and --gradient-checkpointing (HF drops the cache then) take plain_logps, the
+    row-by-row pass, and never rows_logps; the run is the same as the default's up to float32 rounding."""
+    runs, shared = [], grpo.rows_logps
+    for i, flags in enumerate([[], ["--gradient-checkpointing"], ["--plain-logps"]]):
+        monkeypatch.setattr(grpo, "rows_logps", shared if i == 0 else None)  # None: a call raises
+        grpo.main(SMALL + ["--out", str(tmp_path / str(i)), "--steps", "3", "--beta", "0.04"] + flags)
+        runs.append([json.loads(l) for l in (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()])
+    for a, b, c in zip(*runs):
+        assert a.keys() == b.keys() == c.keys() and a.get("eval") == b.get("eval") == c.get("eval")
         for key in ("loss", "kl", "grad_norm", "reward"):
             if key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6) == c[key], key
 
 
 def test_a_seeded_run_is_reproducible(uninterrupted, tmp_path):
@@ -2473,7 +2475,8 @@ B, P, C = 16, 256, 256  # T = 512: a 256-token prompt and a 256-token completion
 ids = torch.randint(0, config.vocab_size, (B, P + C))
 mask = torch.ones_like(ids)
 rows = grpo.Rows(prompts=[row[:P].tolist() for row in ids], prompt_index=torch.arange(B), parent=torch.full((B,), -1),
-                 completion_ids=ids[:, P:], completion_mask=torch.ones(B, C, dtype=torch.long), advantages=torch.zeros(B))
+                 completion_ids=ids[:, P:], completion_mask=torch.ones(B, C, dtype=torch.long), advantages=torch.zeros(B),
+                 rewards=torch.zeros(B), part_limits=[C])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.set_grad_enabled(grad):
     if method == "ours":
