@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib, datetime, importlib.util, json, math, os, random, re, shutil, signal, sys
 import threading, time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -330,7 +330,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     covers both, (B, L + T), with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # 5.17: past_key_values=
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # < 5.24: past_key_values
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
@@ -346,7 +346,7 @@ def prefill(model, prompts: list[list[int]], pad_id: int):
 
 def reorder(context, index):
     """A prefill's (cache, mask, last) with rows `index`, the cache reordered in place: a repeated
-    index copies a context to several rows. Its CPU backward is deterministic; x[i]'s is not."""
+    index copies a context to several rows. Its CPU backward is deterministic, unlike x[index]'s."""
     cache, mask, last = context
     cache.reorder_cache(index)
     return cache, mask.index_select(0, index), last.index_select(0, index)
@@ -446,8 +446,8 @@ class Rows:
         return ids
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
-    """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group.
-    For lambda the rows carry 1/|λ| too. Both log how much a group's completions share."""
+    """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group. Under
+    lambda the rows also carry 1/|λ|. Both log how much a group's completions share."""
     G, metrics = cfg.num_generations, {}
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -596,7 +596,7 @@ def global_loss_weights(rows: Rows, loss_type: str):
     part = torch.zeros(len(rows), dtype=torch.long) if rows.part is None else rows.part
     weights, tokens = torch.zeros(rows.completion_mask.shape), 0
     for k, max_len in enumerate(rows.part_limits):
-        in_part = part == k  # every rank runs every part, so that the all_reduce calls match
+        in_part = part == k
         mask = rows.completion_mask[in_part]
         # all_reduce (Part II): sums over the ranks; without torchrun it returns its input
         n_rows, n_tokens = all_reduce([len(mask), mask.sum().item()])
@@ -614,12 +614,12 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     reward. test_update_works_one_grpo_step_by_hand checks one step's gradient by hand.
     """
     metrics, device = {}, next(model.parameters()).device
-    rows.loss_weights, tokens = global_loss_weights(rows, cfg.loss_type)
-    # Part II: pieces of about --micro-batch-size rows, on the device; a thought keeps its answers
+    weights, tokens = global_loss_weights(rows, cfg.loss_type)  # w (B, C), and all tokens
+    rows = replace(rows, loss_weights=weights)  # a copy; each micro-batch then carries its w
+    # Part II: pieces of about --micro-batch-size rows, on the device; MA's thought with its answers
     micro = micro_batches(rows, cfg.micro_batch_size, device)
-    # rows_logps (Part II) gives plain_logps' numbers, to float rounding, and is only faster: it
-    # encodes each shared context once (pytest -k shared_prefix). --plain-logps runs plain_logps
-    # itself, as does --gradient-checkpointing, since HF's drops the KV cache.
+    # rows_logps (Part II): plain_logps' numbers, only faster: it encodes each shared context once.
+    # --plain-logps runs plain_logps; so does --gradient-checkpointing, which drops the KV cache.
     logps_of = plain_logps if cfg.plain_logps or cfg.gradient_checkpointing else rows_logps
     log = UpdateLog(micro, tokens, cfg)  # Part II: the loss and metrics, summed over the pieces
     with timed(metrics, "time/update"):
@@ -650,14 +650,15 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 #   the aggregation: aggregation_weights and --loss-type                  loss_types, pieces
 #   the log-probs: plain_logps, run with --plain-logps; then rows_logps   shared_prefix
 #   the step or the loop, which resumes bit for bit: train_step, train    resume, reproducible
+# What a change must keep: Rows as its docstring says; every draw of chance from draw_batch's
+# seeds, so that a resume repeats the run; the same all_reduce calls on every rank, in order.
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
-    """One step: draw P prompts, sample and score this rank's share, update. Returns the metrics.
-    The prompts are drawn afresh each step from the seed and the step. There are no epochs. So a
-    resumed run continues the same stream. The step counts from 0 and is logged as step + 1."""
+    """One step: draw P prompts, sample and score this rank's share, update; returns the metrics.
+    The step counts from 0 and is logged as step + 1."""
     t_step = time.perf_counter()
-    # Part II: this rank's share of the P prompts, a rng for TA's draws, and torch's seed for
-    # sampling, each from the seed, the step and the rank
+    # Part II: this rank's share of P prompts drawn afresh, with no epochs; a rng for TA; torch's
+    # seed. All come from the seed, the step and the rank, so that a resume draws the same
     batch, rng = draw_batch(cfg, examples, step)
     rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch, rng)
     metrics = global_means(metrics)  # Part II: each metric's mean over all ranks
@@ -826,8 +827,7 @@ def select_rows(rows: Rows, index: torch.Tensor, device="cpu") -> Rows:
 # Sums over micro-batches and ranks, the metrics, and the guards of sampling and the update.
 
 class UpdateLog:
-    """update()'s metrics: the loss summed over micro-batches, policy_loss's token means weighted
-    by each micro-batch's share of the tokens; each averaged over μ and summed over the ranks."""
+    """update()'s metrics over micro-batches and ranks, averaged over μ; token means stay means."""
 
     def __init__(self, micro: list[Rows], tokens: int, cfg: Config):
         self.shares = [m.completion_mask.sum().item() / max(tokens, 1) for m in micro]
@@ -936,7 +936,7 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 def all_reduce(values: list[float]) -> list[float]:
-    """Sum plain numbers over the ranks; identity in a single process."""
+    """Sum numbers over the ranks; identity in one process. Every rank makes the same calls."""
     if not torch.distributed.is_initialized():
         return values
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"

@@ -233,7 +233,8 @@ def test_update_works_one_grpo_step_by_hand(tiny):
             model.zero_grad(set_to_none=set_to_none)
     optimizer = Capture()
     metrics = grpo.update(model, None, optimizer, rows, grpo.Config(max_grad_norm=1e9))
-    assert torch.allclose(rows.loss_weights, rows.completion_mask / 14)
+    assert torch.allclose(grpo.global_loss_weights(rows, "dapo")[0], rows.completion_mask / 14)
+    assert rows.loss_weights is None  # update weighs a copy of the rollout's rows
     assert metrics["loss"] == pytest.approx(-a / 7, abs=1e-6) and metrics["tokens"] == 14
     for got, want in zip(optimizer.grads, expected):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
