@@ -179,8 +179,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
             [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these, for the policy and the KL terms.
-    The normaliser stays the raw token count. The loss's scale shrinks, which Adam mostly cancels.
-    Every pair of a group's rows is compared: ~4·B·G·T bytes.
+    The normaliser stays the raw token count, as in the paper; Adam mostly cancels the smaller
+    loss. Every pair of a group's rows is compared: ~4·B·G·T bytes.
     """
     B, C = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
@@ -548,7 +548,7 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict], rng):
     if cfg.ta_anchor == "rephrased":
         prompts, prompt_index = phrasings, torch.arange(len(phrasings)).repeat_interleave(G)
     else:  # the paper: every response's context is its question's q0
-        q0_prompts = [ids for ids, first in zip(phrasings, is_q0) if first]  # question p's is p-th
+        q0_prompts = [ids for ids, first in zip(phrasings, is_q0) if first]  # in question order
         prompts, prompt_index = q0_prompts, question
     q0 = r[from_q0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
     metrics |= sample_metrics(r, advantages, question, len(batch), parsed, tagged, s)
@@ -650,8 +650,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 #   the aggregation: aggregation_weights and --loss-type                  loss_types, pieces
 #   the log-probs: plain_logps, run with --plain-logps; then rows_logps   shared_prefix
 #   the step or the loop, which resumes bit for bit: train_step, train    resume, reproducible
-# What a change must keep: Rows as its docstring says; every draw of chance from draw_batch's
-# seeds, so that a resume repeats the run; the same all_reduce calls on every rank, in order.
+# A change must keep three rules. A rollout fills Rows as its docstring says. Under torchrun,
+# every rank makes the same all_reduce calls. For a resume that repeats the run bit for bit,
+# chance comes only from draw_batch's seeds. The shared KV cache asks nothing: see --plain-logps.
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update; returns the metrics.
@@ -1099,7 +1100,6 @@ def _opt(default, help, choices=None):
 @dataclass
 class Config:
     """Every field is a command-line flag: --field-name."""
-    # model and data
     model: str = _opt(str(HERE / "data" / "tiny"), "local folder or hub name of a causal LM")
     data: str = _opt(str(HERE / "data" / "train.jsonl"), "JSONL: question, answer, rephrasings")
     test_data: str = _opt(str(HERE / "data" / "test.jsonl"), "held-out JSONL for eval")
