@@ -459,7 +459,7 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict], rng):
                                           cfg.answer_from, cfg.response_prefix)
     prompt_index = torch.arange(len(batch)).repeat_interleave(G)  # also each row's group
     advantages = group_advantages(rewards, prompt_index, cfg.scale_rewards)
-    inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()  # the loss uses it under lambda
+    inv_lambda, on = lambda_weights(ids, mask, G), mask.bool()  # under grpo, a metric only
     # sample_metrics (Part II): reward, length and the like, which every rollout logs
     metrics |= sample_metrics(rewards, advantages, prompt_index, len(batch), parsed, tagged, s)
     metrics |= dict(lambda_mean=1 / inv_lambda[on],    # mean |λ| over tokens
@@ -643,8 +643,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     return metrics | log.result()
 
 # -----------------------------------------------------------------------------
-# 6. The training loop and the eval. Where to make a change, and the tests that check it; all
-# of them run in about 20 s on a CPU: pytest test_grpo.py -k 'rows_carry or by_hand or ...'
+# 6. The training loop and the eval. Where to make a change, and the tests that check it. They
+# all run in about 25 s on a CPU; run some as pytest test_grpo.py -k 'by_hand or kl'.
 #   a scheme or a variant: section 1, a rollout, ROLLOUTS, --variant      rows_carry, by_hand
 #   the per-token loss (an entropy term, another KL): policy_loss         by_hand, kl
 #   the aggregation: aggregation_weights and --loss-type                  loss_types, pieces
@@ -652,7 +652,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 #   the step or the loop, which resumes bit for bit: train_step, train    resume, reproducible
 # A change must keep three rules. A rollout fills Rows as its docstring says. Under torchrun,
 # every rank makes the same all_reduce calls. For a resume that repeats the run bit for bit,
-# chance comes only from draw_batch's seeds. The shared KV cache asks nothing: see --plain-logps.
+# chance comes only from draw_batch's seeds. rows_logps adds no rule: --plain-logps turns it off.
 
 def train_step(model, tokenizer, ref_model, optimizer, cfg, examples, step: int) -> dict:
     """One step: draw P prompts, sample and score this rank's share, update; returns the metrics.
