@@ -336,7 +336,15 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
 
 def prefill(model, prompts: list[list[int]], pad_id: int):
     """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
-    last token. The next pass takes the last token as input; its output predicts a new token.
+    last token. The next pass feeds that token first: its output predicts the first new token.
+    So a context's cache ends one token short of it. Prompt p1 p2 p3, completion t1 t2, and in
+    the update a GRPO-MA answer a1 a2 after it; generate feeds a completion one token at a time:
+
+        pass        input     cache before     predicts   cache after
+        prefill     p1 p2     -                -          p1 p2
+        completion  p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
+        answer      t2 a1     p1 p2 p3 t1      a1 a2      -
+
     Left padding stays inside the cache. The mask hides it, and run_decoder's positions skip it."""
     ids, mask = (x.to(next(model.parameters()).device) for x in left_pad(prompts, pad_id))
     cache = DynamicCache()
@@ -742,17 +750,9 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: i
 
 def rows_logps(model, rows: Rows, temperature: float):
     """plain_logps' numbers, each shared context encoded once. A prompt's KV cache is copied to its
-    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies.
-    Each pass feeds the last token of the context first, as generate does, so a context's cache
-    ends one token short of it. Prompt p1 p2 p3, thought t1 t2, answer a1 a2:
-
-        pass      input     cache before     predicts   cache after
-        prompt    p1 p2     -                -          p1 p2
-        thought   p3 t1     p1 p2            t1 t2      p1 p2 p3 t1
-        answer    t2 a1     p1 p2 p3 t1      a1 a2      -
-
-    A row shorter than the longest of its pass leaves padding inside the cache, as prefill's
-    prompts do: the mask hides it and positions skip it. Tested: pytest -k shared_prefix."""
+    rows, a GRPO-MA thought's on to its answers, and gradients flow back through the copies. The
+    passes are those of prefill's table. A row shorter than the longest of its pass leaves
+    padding inside the cache, as prefill's prompts do. Tested: pytest -k shared_prefix."""
     logps = torch.zeros_like(rows.completion_ids, dtype=torch.float32)  # (B, C)
     top = (rows.parent < 0).nonzero().squeeze(1)  # (b,) the rows that continue a prompt directly
     ctx = reorder(prefill(model, rows.prompts, 0), rows.prompt_index[top])  # one per top row
