@@ -179,8 +179,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
             [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these, for the policy and the KL terms.
-    The normaliser stays the raw token count, as in the paper; Adam mostly cancels the smaller
-    loss. Every pair of a group's rows is compared: ~4·B·G·T bytes.
+    The normaliser stays the raw token count, as in the paper. Adam's step ignores a uniform
+    gradient scale, up to its eps. Every pair of a group's rows is compared: ~4·B·G·T bytes.
     """
     B, C = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
@@ -337,8 +337,9 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
 def prefill(model, prompts: list[list[int]], pad_id: int):
     """(cache, mask, last): the KV cache of each prompt but its last token, its mask, and that
     last token. The next pass feeds that token first: its output predicts the first new token.
-    So a context's cache ends one token short of it. Prompt p1 p2 p3, completion t1 t2, and in
-    the update a GRPO-MA answer a1 a2 after it; generate feeds a completion one token at a time:
+    So a context's cache ends one token short of it. For a prompt p1 p2 p3, generate feeds p3,
+    then one sampled token at a time. In the update, rows_logps feeds a whole completion t1 t2,
+    then a GRPO-MA answer a1 a2 after it:
 
         pass        input     cache before     predicts   cache after
         prefill     p1 p2     -                -          p1 p2
@@ -1106,7 +1107,6 @@ class Config:
     system_prompt: str = _opt(SYSTEM_PROMPT, "system message; '' for none (a template may add one)")
     response_prefix: str = _opt("", "text the reply starts with, e.g. <think>: part of the prompt")
     variant: str = _opt("grpo", "advantage/weighting scheme", ["grpo", "ma", "ta", "lambda"])
-    # sampling
     num_generations: int = _opt(8, "G: completions per prompt, or per phrasing (ta) [>= 1]")
     prompts_per_step: int = _opt(16, "P: prompts per step [>= 1]")
     max_new_tokens: int = _opt(32, "completion length limit; for ma the thought's [>= 1]")
