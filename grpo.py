@@ -904,8 +904,6 @@ def global_means(metrics: dict) -> dict:
     return metrics | {key: totals[i] / counts[i] if counts[i] else math.nan
                       for i, key in enumerate(keys)}
 
-# Data parallel (torchrun): each rank samples whole groups; sums are global; rank 0 writes.
-
 def setup_distributed(cfg: Config):
     """Join torchrun's process group, NCCL on GPUs and gloo on CPU; returns (rank, device)."""
     device, world = pick_device(cfg.device), int(os.environ.get("WORLD_SIZE", 1))
@@ -1129,7 +1127,8 @@ class Config:
     epsilon_high: float | None = _opt(None, "upper clip range; DAPO's is 0.28 [>= 0]")
     num_iterations: int = _opt(1, "mu: updates per sampled batch [>= 1]")
     answer_from: str = _opt("tags", "the last <answer> tags, else \\boxed; the last number; or "
-                            "the tags' answer graded as LaTeX by math_verify (pip install "
+                            "the tags' answer as LaTeX, graded by math_verify, which credits "
+                            "symbolic equality but reads \\boxed{5}x as 5 (pip install "
                             "math-verify)", ["tags", "last-number", "math-verify"])
     format_reward: float = _opt(0.0, "reward for one <think>..</think><answer>..</answer> [>= 0]")
     lr: float = _opt(2e-4, "AdamW learning rate; ~1e-6 for real models [> 0]")
