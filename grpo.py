@@ -424,7 +424,7 @@ class Rows:
     A rollout sets every field without a default. part is GRPO-MA's; inv_lambda is λ-GRPO's.
 
     Row i continues prompts[prompt_index[i]]. A GRPO-MA answer then continues its thought, the
-    completion of row parent[i]. A context is named, not copied, so the update encodes it once.
+    completion of row parent[i]. A context is named, not copied, so the update can encode it once.
     Completions are right-padded: a mask is a run of 1s from column 0.
 
     GRPO, one prompt, G = 2: prompts [ids], prompt_index [0, 0], parent [-1, -1], advantages
