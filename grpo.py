@@ -20,12 +20,10 @@ One GRPO step, as train runs it:
 
 The default takes one update per batch: μ = 1. Then π_old is π itself, so ρ = 1 and nothing is
 clipped. The gradient is the policy gradient -Σ w A ∇ log π. Defaults: P = 16, G = 8, 32 new
-tokens, dapo's w, β = 0; K = M = 4 for ma; N = 3 for ta.
-
-One step in numbers: G = 4 completions of 4, 4, 2 and 4 tokens score r = 1, 0, 0, 1. Their mean
-is 0.5 and their unbiased std 0.577, so A = +0.87, -0.87, -0.87, +0.87. Under dapo each of the
-14 tokens weighs w = 1/14. At μ = 1 the loss is -Σ w A = -0.124, and ∂loss/∂logp_it = -w A_i,
-±0.062. test_update_works_one_grpo_step_by_hand checks these numbers against update's gradient.
+tokens, dapo's w, β = 0; K = M = 4 for ma; N = 3 for ta. One step in numbers: G = 4 completions
+of 4, 4, 2 and 4 tokens score r = 1, 0, 0, 1, so A = ±0.87 (mean 0.5, unbiased std 0.577). Each
+of the 14 tokens weighs w = 1/14, so ∂loss/∂logp_it = -w A_i = ∓0.062, as the test
+test_update_works_one_grpo_step_by_hand checks against update's gradient.
 
 The variants change the advantages A, the weights w and the contexts:
 
@@ -38,19 +36,16 @@ The variants change the advantages A, the weights w and the contexts:
     ta      q0 and N rephrasings of it, G samples each; A over    TA-GRPO, arXiv 2601.22478
             all (N+1)·G; every log-prob is taken given q0
 
-Notation: a batch is B rows by C completion tokens; a context has L tokens; H is the hidden size.
-T is the sampling temperature, and n the samples drawn per prompt by generate.
+Notation: a batch is B rows by C completion tokens; a context has L tokens; H is the hidden size;
+T is the sampling temperature; generate draws n samples per prompt.
 
 What the file simplifies: the sampler is a short KV-cache loop, not vLLM, and one process samples
 and trains. π_old is the trainer's own forward pass, never the sampler's, so a mismatch between
-the two (bf16 sampling, say) goes uncorrected. The reward compares one number or the text of the
-answer; --answer-from math-verify grades LaTeX. There is no LoRA: the reference is a full copy.
-GRPO-MA's unclosed thoughts get no answers and value 0; its two loss parts are our reading, since
-the paper publishes no weighting. TA-GRPO's rephrasings come from the data file. The learning rate
-warms up, then stays constant.
-
-Sections: 1 the schemes and the loss, 2 the reward, 3 the sampler, 4 the rows and the rollouts,
-5 the update, 6 the loop and the eval. Then plumbing: 7 flags and files, 8 checkpoints and ranks.
+the two (bf16 sampling, say) goes uncorrected. The reward reads one number or compares text;
+--answer-from math-verify grades LaTeX. There is no LoRA: the reference is a full copy. GRPO-MA's
+unclosed thoughts get no answers and value 0; its two loss parts are our reading, since the paper
+publishes no weighting. TA-GRPO's rephrasings come from the data file. The learning rate warms
+up, then stays constant. Sections 1 to 6 are the algorithm; 7 and 8 are plumbing.
 """
 
 from __future__ import annotations
@@ -124,9 +119,8 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, take two more pieces from rollout_ma. An answer's context is its prompt,
-    then its thought. Thoughts and answers are two loss parts, each aggregated alone, so that M
-    answers per thought do not outweigh the thought.
+    To copy GRPO-MA, also take rollout_ma's rows: an answer's context is its prompt, then its
+    thought, and thoughts and answers are two loss parts, each aggregated alone.
     """
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
@@ -149,15 +143,11 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
         J = Σ_jgt w min(ρ_jgt A_jg, clip(ρ_jgt, 1-ε, 1+ε) A_jg),
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)
 
-    To copy TA-GRPO, also take every log-prob given q0, for the responses to rephrasings too:
-    rollout_ta gives every row q0's prompt as its context. At μ = 1 this is a policy gradient for
-    π(· | q0) on samples drawn from π(· | q_j), with no importance weight. So it is biased on
-    purpose: it is not the gradient of q0's expected reward. Why: the rephrasings explore. They
-    make the model write solutions it rarely writes for q0, and training π(· | q0) on them moves
-    q0's answers toward those. An importance weight π(o | q0) / π(o | q_j) would be far from 1,
-    mostly clipped. The paper's v5 takes this anchored ratio (arxiv.org/abs/2601.22478v5).
-    --ta-anchor rephrased keeps each response's own prompt, as its code does
-    (github.com/lhkhiem28/TA-GRPO).
+    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do. At μ = 1 this
+    trains π(· | q0) on samples drawn from π(· | q_j), with no importance weight. So it is biased
+    on purpose: the rephrasings explore solutions that q0 rarely gets, and q0's answers move toward
+    them. The paper's v5 anchors so (arxiv.org/abs/2601.22478v5). --ta-anchor rephrased keeps
+    each response's own prompt, as its code does (github.com/lhkhiem28/TA-GRPO).
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -182,8 +172,7 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
             [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these, for the policy and the KL terms.
-    The normaliser stays the raw token count, as in the paper. Adam's step ignores a uniform
-    gradient scale, up to its eps. Every pair of a group's rows is compared: ~4·B·G·C bytes.
+    The normaliser stays the raw token count, as in the paper. Memory: ~4·B·G·C bytes.
     """
     B, C = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
@@ -261,10 +250,11 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
+
 # -----------------------------------------------------------------------------
 # 2. The reward: 1 for a finished completion whose answer is the reference. It is strict by being
-# narrow: what it cannot read is a miss, never a guess, since a false positive trains the policy
-# toward it. Model output is text: it is read, never run.
+# narrow: what it cannot read is a miss, never a guess, since the policy is trained toward a false
+# positive. Model output is text: it is read, never run.
 
 # a plain decimal: commas only as thousands separators; no exponent, no fraction
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
@@ -272,25 +262,25 @@ PROSE = ".,;:!?'\"*"  # what may touch a number besides letters: punctuation, ma
 
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
-
-    The answer comes after the first </think>. A thought that never closes holds none.
+    The answer comes after the first </think>; a thought that never closes holds none.
     - tags: what the last <answer>...</answer> holds.
     - last-number: the last number, when only words, prose punctuation or "=" stand around it.
     - math-verify: the tags' answer, graded against the reference as LaTeX by math_verify.
-    Both sides are read by plain(): whitespace, $, a final period and one \\boxed{} go. A numeric
-    reference then wants a plain number of the same value: '1,234.0' equals '1234'. Any other
-    reference wants the same text: '3\\pi' equals '3 \\pi'. So '2x', '-\\frac{1}{2}', 'x = 7' and
-    '18 eggs' are misses against 2, -0.5, 7 and 18.
-    """
+    Both sides lose whitespace, $, a final period and one \\boxed{} around all. A numeric reference
+    then wants a plain number of its value: '1,234.0' equals '1234'. Any other wants the same
+    text: '3\\pi' equals '3 \\pi'. So '2x', '-\\frac{1}{2}' and '18 eggs' miss 2, -0.5 and 18."""
     answer = extract_answer(text, answer_from)
     if not finished or answer is None:
         return 0.0
     if answer_from == "math-verify":
-        from math_verify import parse, verify  # check_flags made sure it is installed
+        from math_verify import parse, verify  # parse_args made sure it is installed
         return float(verify(parse(f"${reference}$"), parse(f"${answer}$")))
-    if number(plain(reference)) is not None:
-        return float(number(plain(answer)) == number(plain(reference)))
-    return float(plain(answer) == plain(reference))
+    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1", re.sub(r"\s|\\?\$", "", s).rstrip("."))
+    value = lambda s: (Fraction(s.replace(",", "")) if len(s) < 100 and NUMBER_RE.fullmatch(s)
+                       else None)  # int() refuses a number of over 4300 digits
+    answer, reference = plain(answer).strip("*"), plain(reference)
+    return float(value(answer) == value(reference) if value(reference) is not None
+                 else answer == reference)
 
 def extract_answer(text: str, answer_from: str = "tags"):
     """The answer text that score reads, or None. It only splits and searches: linear time."""
@@ -311,21 +301,9 @@ def extract_answer(text: str, answer_from: str = "tags"):
     start = text.rfind("<answer>", 0, max(end, 0))
     return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
 
-def plain(answer: str) -> str:
-    """An answer without whitespace, $, a final period, bold, and one \\boxed{} around it all."""
-    answer = re.sub(r"\s|\\?\$", "", answer).rstrip(".").strip("*")
-    boxed = re.fullmatch(r"\\boxed\{(.*)\}", answer)
-    return boxed.group(1) if boxed else answer
-
-def number(text: str):
-    """The value of a plain decimal number ('-1,234.5', '.5', '+7') as a Fraction, else None."""
-    if len(text) > 100 or not NUMBER_RE.fullmatch(text):  # int() refuses > 4300 digits
-        return None
-    return Fraction(text.replace(",", ""))
-
 def score_batch(tokenizer, samples, references, answer_from="tags", before=""):
-    """(B,) rewards of generate's Samples. Each text is scored after `before`: the response prefix,
-    and for a GRPO-MA answer its thought."""
+    """(B,) rewards of generate's Samples. Each text is scored after `before`: the response
+    prefix, and for a GRPO-MA answer its thought."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     before = [before] * len(texts) if isinstance(before, str) else before
     return torch.tensor([score(b + text, reference, done, answer_from) for b, text, reference, done
@@ -342,9 +320,8 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, response_prefix: st
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
     prefix = tokenizer(response_prefix, add_special_tokens=False, split_special_tokens=True)
-    return ids + prefix.input_ids
+    return tokenizer(text, add_special_tokens=False).input_ids + prefix.input_ids
 
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
@@ -352,14 +329,13 @@ def left_pad(seqs: list[list[int]], pad_id: int):
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), L), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, L - len(s):] = 1
+        ids[i, L - len(s):], mask[i, L - len(s):] = torch.tensor(s, dtype=torch.long), 1
     return ids, mask
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder's last hidden states (B, S, H) for S new tokens input_ids (B, S), before the
-    lm_head. They follow the tokens already in `cache`, a DynamicCache that grows in place. The
-    attention mask covers both, with 0 for padding anywhere."""
+    """The decoder's last hidden states (B, S, H) for S new tokens (B, S), before the lm_head.
+    They follow the tokens already in `cache`, a DynamicCache that grows in place. The attention
+    mask covers both, with 0 for padding anywhere."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # < 5.24: past_key_values
@@ -389,16 +365,15 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     softmax(logits / T), with no top-k or top-p, since the loss's log-probs are of it. A row ends
     at an EOS, at the token that completes a stop string, or at max_new_tokens.
 
-        prefill   one pass over the left-padded prompts; each one's cache and last logits
-                  are copied to its n rows
-        each step token = a draw from logits; rows that ended leave the batch and the cache;
-                  logits = lm_head(decoder(token, cache)) for the rows still active
+        prefill     one pass over the left-padded prompts; each one's KV cache and last
+                    logits are copied to its n rows
+        each step   token = a draw from the logits; the rows that ended leave the batch and
+                    the cache; logits = lm_head(decoder(token, cache)) for the rest
 
-    Row r of the cache, of the mask, of token and of logits is output row active[r]."""
+    Row r of the cache, the mask, token and logits is output row active[r]."""
     device, pad = next(model.parameters()).device, tokenizer.pad_token_id
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
-        return Samples(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
-                       torch.zeros(0, dtype=torch.bool))
+        return Samples(*[torch.zeros(0, 0, dtype=torch.long)] * 2, torch.zeros(0, dtype=torch.bool))
     was_training = model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in left_pad(prompts, pad))
@@ -409,20 +384,18 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
     cache.reorder_cache(index)  # in place: prompt p's cache now fills rows p·n to p·n + n - 1
     logits, mask = logits[index], mask[index]  # (B, V), (B, L)
-    B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
-    out = torch.full((B, max_new_tokens), pad, device=device)
+    eos = torch.tensor(eos_ids(model, tokenizer), device=device)
+    B, active = len(index), torch.arange(len(index), device=device)  # rows still being decoded
+    out, texts = torch.full((B, max_new_tokens), pad, device=device), [""] * B
     lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
-    texts, active = [""] * B, torch.arange(B, device=device)  # the rows still being decoded
     for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
+        probs = (logits / temperature).softmax(-1)
+        token = logits.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
         out[active, t] = token  # token, ended: (len(active),), one per row still decoded
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        if stop_strings:  # append each row's new text; a token may carry text past the string
+        if stop_strings:  # each row's text so far; a token may carry text past the string
             pieces = tokenizer.batch_decode(token[:, None].tolist(), skip_special_tokens=True)
             for row, piece in zip(active.tolist(), pieces):
                 texts[row] += piece
@@ -437,51 +410,47 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         logits = model.lm_head(run_decoder(model, token[:, None], mask, cache)[:, -1]).float()
     model.train(was_training)
     C = int(lengths.max())
-    completion_mask = (torch.arange(C, device=device)[None] < lengths[:, None]).long()
-    return Samples(out[:, :C], completion_mask, finished)
+    return Samples(out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished)
 
 # -----------------------------------------------------------------------------
 # 4. The rows every variant produces, and one rollout per variant. A rollout samples and scores
-# this rank's share of a batch and returns (Rows, metrics). To add one, copy rollout_grpo and add
-# it to ROLLOUTS and to --variant's choices. cfg is section 7's Config: cfg.num_generations is the
-# flag --num-generations. A metric is a tensor; the log shows its mean over all ranks.
+# this rank's share of a batch and returns (Rows, metrics); a metric is a tensor, logged as its
+# mean over all ranks. To add one, copy rollout_grpo and add it to ROLLOUTS and --variant's
+# choices. cfg is section 7's Config: cfg.num_generations is the flag --num-generations.
 
 @dataclass
 class Rows:
     """What a rollout hands to update(): B completions, each with its context, advantage and
-    token weights. A row adds Σ_t w_t · min(ρ_t A, clip(ρ_t) A) to J, and the rollout sets A and
-    w, so it states its scheme's whole objective. update() then knows no variant.
+    token weights. A row adds Σ_t w_t min(ρ_t A, clip(ρ_t) A) to J, and the rollout sets A and w.
+    So a rollout states its scheme's whole objective, and update() knows no variant.
 
-        row  context              completion    advantage       weights w
-        0    q's prompt           o_1           A_1 (B,)        1 / (all tokens)        grpo
-        1    q's prompt           o_2           A_2             1 / (all tokens) / |λ|  lambda
-        5    prompt + thought 0   answer 0,0    A(a_0,0)        1 / (answer tokens)     ma
-        9    q0's prompt          o, from q1    A_9             1 / (all tokens)        ta
-        -    any                  o             (C,) per token  any                     yours
-
-    The advantages are one per row (B,), or one per token (B, C) with 0 off the mask.
+        context              completion     advantage        weights w                scheme
+        q's prompt           o_i            A_i              1 / (all tokens)         grpo
+        q's prompt           o_i            A_i              1 / (all tokens) / |λ|   lambda
+        prompt + thought k   answer k,m     A(a_k,m)         1 / (answer tokens)      ma
+        q0's prompt          o_i, from q1   A_i              1 / (all tokens)         ta
+        any                  o_i            A_it, per token  any                      yours
     """
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
-    advantages: torch.Tensor       # (B,) or (B, C); finite
+    advantages: torch.Tensor       # (B,) one per row, or (B, C) one per token, 0 off the mask
     loss_weights: torch.Tensor     # (B, C) each token's w in J over the whole batch, all ranks
     rewards: torch.Tensor          # (B,) shown by --log-completions; an MA thought's is its V
 
 def batch_weights(completion_mask, loss_type: str, max_completion_length: int):
     """aggregation_weights (B, C) of this rank's rows, with the rows and tokens of all ranks."""
-    num_rows, num_tokens = all_reduce([len(completion_mask), completion_mask.sum().item()])
-    return aggregation_weights(completion_mask, loss_type, num_rows, num_tokens,
-                               max_completion_length)
+    rows, tokens = all_reduce([len(completion_mask), completion_mask.sum()])
+    return aggregation_weights(completion_mask, loss_type, rows, tokens, max_completion_length)
 
 def no_signal(advantages, groups, num_groups: int):
-    """(num_groups,) True where every row of the group has A = 0, logged as frac_*_zero_std."""
+    """(num_groups,) True where every row of the group has A = 0: frac_reward_zero_std's cases."""
     nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)
     return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group. Under
-    lambda each token's w is also divided by |λ|. Both log how much a group's completions share."""
+    lambda each token's w is also divided by |λ|. Both log the mean |λ| over tokens."""
     G = cfg.num_generations
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
@@ -491,10 +460,9 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     rewards = score_batch(tokenizer, s, references, cfg.answer_from, cfg.response_prefix)
     group = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's prompt
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
+    inv_lambda = lambda_weights(ids, mask, G)
     weights = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-    inv_lambda = lambda_weights(ids, mask, G)  # under grpo a metric only
-    if cfg.variant == "lambda":
-        weights = weights * inv_lambda
+    weights = weights * inv_lambda if cfg.variant == "lambda" else weights
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=mask.sum(1).float(), lambda_mean=1 / inv_lambda[mask.bool()])
     return Rows([prompts[p] for p in group], ids, mask, advantages, weights, rewards), metrics
@@ -503,55 +471,49 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>, then M
     answers per closed thought; ma_advantages scores the tree. An answer is sampled after prompt
     + thought and scored on prefix + thought + answer. An open thought gets no answers: V = 0.
+    The rows, for K = 2, M = 2 and thought 1 left open (w: under --ma-weighting parts):
 
-    One prompt's tree as rows, K = 2, M = 2, thought 1 left open; the thoughts come first:
-
-        row  context             completion        advantage  w under --ma-weighting parts
+        row  context             completion        advantage  w
         0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
         1    prompt              thought 1 (open)  A(th_1)    1 / (all thought tokens)
         2    prompt + thought 0  answer 0,0        A(a_0,0)   1 / (all answer tokens)
         3    prompt + thought 0  answer 0,1        A(a_0,1)   1 / (all answer tokens)
 
-    Under parts the thoughts' w sum to 1 and the answers' to 1: J = J(thoughts) + J(answers), so
-    M answers per thought do not outweigh it. --ma-weighting tokens pools all tokens in one mean.
-    """
+    The thoughts' w sum to 1 and the answers' to 1: J = J(thoughts) + J(answers), so M answers
+    do not outweigh their thought. --ma-weighting tokens pools both in one mean instead."""
     K, M = cfg.num_thoughts, cfg.num_answers
     prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
                for ex in batch]
     th = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                   stop_strings=["</think>"])
-    th_ids, th_mask = th.completion_ids.cpu(), th.completion_mask.cpu()  # (P·K, C1)
-    thought_texts = decode(tokenizer, th_ids, th_mask)
+    thought_texts = decode(tokenizer, th.completion_ids, th.completion_mask)
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) each thought's prompt
-    closed_mask = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
-    closed = closed_mask.nonzero().squeeze(1).tolist()  # the thoughts that get answers
-    contexts = [prompts[thought_prompt[k]] + th_ids[k][th_mask[k].bool()].tolist() for k in closed]
-    ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-    answer_thought = torch.tensor(closed, dtype=torch.long).repeat_interleave(M)  # (A,)
+    closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
+    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
+    contexts = [prompts[thought_prompt[k]] + th.completion_ids[k, :th.completion_mask[k].sum()]
+                .tolist() for k in answer_thought]  # (A,) prompt + thought
+    ans = generate(model, tokenizer, contexts[::M], M, cfg.max_answer_tokens, cfg.temperature)
     references = [batch[thought_prompt[k]]["answer"] for k in answer_thought]
     before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]
     rewards = score_batch(tokenizer, ans, references, cfg.answer_from, before)  # (A,)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    ids = pad_sequence([*th_ids, *ans.completion_ids.cpu()], True, tokenizer.pad_token_id)
-    mask = pad_sequence([*th_mask, *ans.completion_mask.cpu()], True)  # (P·K + A, C)
-    is_answer = torch.arange(len(mask)) >= len(th_mask)
+    ids = pad_sequence([*th.completion_ids, *ans.completion_ids], True, tokenizer.pad_token_id)
+    mask = pad_sequence([*th.completion_mask, *ans.completion_mask], True).cpu()  # (P·K + A, C)
+    answer = torch.arange(len(mask)) >= len(thought_texts)  # (P·K + A,) the answers' rows
     if cfg.ma_weighting == "parts":  # each part aggregated alone, with its own length limit
         weights = torch.zeros(mask.shape)
-        weights[~is_answer] = batch_weights(mask[~is_answer], cfg.loss_type, cfg.max_new_tokens)
-        weights[is_answer] = batch_weights(mask[is_answer], cfg.loss_type, cfg.max_answer_tokens)
+        weights[~answer] = batch_weights(mask[~answer], cfg.loss_type, cfg.max_new_tokens)
+        weights[answer] = batch_weights(mask[answer], cfg.loss_type, cfg.max_answer_tokens)
     else:
         limit = max(cfg.max_new_tokens, cfg.max_answer_tokens)
         weights = batch_weights(mask, cfg.loss_type, limit)
-    metrics = dict(reward=rewards, completion_length=mask[is_answer].sum(1).float(),
-                   frac_reward_zero_std=no_signal(answer_adv, thought_prompt[answer_thought],
-                                                  len(batch)),
-                   thought_value=values, unclosed_thoughts=~closed_mask,  # (P·K,) each
-                   frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1),
-                   thought_length=th_mask.sum(1).float())
-    row_contexts = [prompts[p] for p in thought_prompt] + [c for c in contexts for _ in range(M)]
-    rows = Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
-                torch.cat([values, rewards]))
+    metrics = dict(reward=rewards, completion_length=mask[answer].sum(1).float(),
+                   frac_reward_zero_std=no_signal(answer_adv, thought_prompt[answer_thought], len(batch)),
+                   thought_value=values, unclosed_thoughts=~closed,
+                   frac_value_zero_std=(thought_adv.view(-1, K) == 0).all(1))
+    rows = Rows([prompts[p] for p in thought_prompt] + contexts, ids.cpu(), mask,
+                torch.cat([thought_adv, answer_adv]), weights, torch.cat([values, rewards]))
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
@@ -559,48 +521,38 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     responses to each phrasing. Advantages are normalised over the question's (N+1)·G responses.
     --ta-anchor original takes every log-prob given q0: ta_advantages says why.
 
-        row  phrasing  context: original / rephrased  group     (one question, N = 1, G = 2)
-        0    q0        q0 / q0                         0
-        1    q0        q0 / q0                         0
-        2    q1        q0 / q1                         0
-        3    q1        q0 / q1                         0
-    """
+        rows  sampled after  context: original / rephrased   group     (N = 1, G = 2)
+        0, 1  q0             q0 / q0                          0
+        2, 3  q1             q0 / q1                          0"""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    phrasings, question = [], []  # per phrasing: its token ids, its question's index
+    phrasings, question, first = [], [], []  # per phrasing: its ids, its question, is it q0
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        for text in [ex["question"]] + drawn:
+        for j, text in enumerate([ex["question"]] + drawn):
             phrasings.append(prompt_ids(tokenizer, text, cfg.system_prompt, cfg.response_prefix))
-            question.append(p)
+            question, first = question + [p], first + [j == 0]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     group = torch.tensor(question).repeat_interleave(G)  # (B,) each row's question: its group
-    phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
-    references = [batch[p]["answer"] for p in group]
-    rewards = score_batch(tokenizer, s, references, cfg.answer_from, cfg.response_prefix)
+    from_q0 = torch.tensor(first).repeat_interleave(G)  # (B,) the rows sampled after q0
+    rewards = score_batch(tokenizer, s, [batch[p]["answer"] for p in group], cfg.answer_from,
+                          cfg.response_prefix)
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
+    contexts = [ids for ids in phrasings for _ in range(G)]  # each row's own phrasing
     if cfg.ta_anchor == "original":  # the paper: every response's context is its question's q0
-        q0 = [phrasings[question.index(p)] for p in range(len(batch))]
+        q0 = [ids for ids, is_q0 in zip(phrasings, first) if is_q0]
         contexts = [q0[p] for p in group]
-    else:
-        contexts = [phrasings[j] for j in phrasing]
-    mask = s.completion_mask.cpu()
-    weights = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-    from_q0 = torch.tensor([question.index(question[j]) == j for j in phrasing.tolist()])
-    r0 = rewards[from_q0].view(-1, G)  # q0's own G rewards: what plain GRPO would have had
+    mask, r0 = s.completion_mask.cpu(), rewards[from_q0].view(-1, G)  # r0: q0's own G rewards
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=mask.sum(1).float(), reward_q0=r0,
-                   reward_rephrased=rewards[~from_q0],
-                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
-    rows = Rows(contexts, s.completion_ids.cpu(), mask, advantages, weights, rewards)
-    return rows, metrics
+                   reward_rephrased=rewards[~from_q0], frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
+    weights = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens)
+    return Rows(contexts, s.completion_ids.cpu(), mask, advantages, weights, rewards), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # -----------------------------------------------------------------------------
-# 5. The update. update() takes a rollout's Rows, whichever variant made them:
-#   Rows: B rows, advantages (B,), weights w (B, C) -> micro-batches of b rows
-#   -> completion_logps (b, C) -> policy_loss -> backward
-#   -> the gradients summed over the ranks, the norm clipped, optimizer.step; μ times
+# 5. The update: Rows from any rollout -> micro-batches of b rows -> completion_logps (b, C) ->
+# policy_loss -> backward; then the gradients summed over the ranks, clipped, optimizer.step.
 
 def completion_logps(model, contexts: list[list[int]], completion_ids, completion_mask,
                      temperature: float):
@@ -611,15 +563,14 @@ def completion_logps(model, contexts: list[list[int]], completion_ids, completio
         mask         0  1  1  1  |  1  1  0       the completion right-padded
         predicts             t1  | t2 -           position L-1 predicts completion token 0
     """
-    C = completion_ids.shape[1]
-    width = int(completion_mask.sum(1).max())  # columns past every row's end are only padding
+    width = int(completion_mask.sum(1).max())  # the columns past it hold only padding
     ids, mask = completion_ids[:, :width], completion_mask[:, :width]
     context_ids, context_mask = (x.to(ids.device) for x in left_pad(contexts, 0))
     hidden = run_decoder(model, torch.cat([context_ids, ids], 1),
                          torch.cat([context_mask, mask], 1))  # (B, L + width, H)
     L = context_ids.shape[1]
     logps = token_logps(model.lm_head, hidden[:, L - 1:-1], ids, mask, temperature)
-    return torch.nn.functional.pad(logps, (0, C - width))
+    return torch.nn.functional.pad(logps, (0, completion_ids.shape[1] - width))
 
 def token_logps(lm_head, hidden, targets, mask, temperature: float):
     """(B, C) float32 log softmax(lm_head(hidden) / T) at `targets` where mask is 1, else 0.
@@ -640,20 +591,16 @@ def token_logps(lm_head, hidden, targets, mask, temperature: float):
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
-
-    The weights w count the whole batch on all ranks, so a micro-batch's loss is its piece of -J.
-    Summed over the micro-batches and the ranks, the pieces are -J: backward() adds up a rank's
-    gradients and sum_gradients the ranks'. The old log-probs at μ > 1, and the reference's at
-    β > 0, come first. At μ = 1 the logged loss is -Σ w A, which says little about progress:
-    watch the reward. test_update_works_one_grpo_step_by_hand checks one step's gradient by hand.
-    """
-    device, size = next(model.parameters()).device, cfg.micro_batch_size
-    micro = [slice(i, i + size) for i in range(0, len(rows.contexts), size)]  # about size rows each
+    The weights w count the whole batch on all ranks, so a micro-batch's loss is its piece of -J,
+    and the pieces summed over micro-batches and ranks are -J. backward() adds up a rank's
+    gradients, sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
+    about progress: watch the reward. test_update_works_one_grpo_step_by_hand checks a step."""
+    device, mu_1, size = next(model.parameters()).device, cfg.num_iterations == 1, cfg.micro_batch_size
+    micro = [slice(i, i + size) for i in range(0, len(rows.contexts), size)]
     on = lambda x, s: x[s].to(device)
     logps_of = lambda m, s: completion_logps(m, rows.contexts[s], on(rows.completion_ids, s),
                                              on(rows.completion_mask, s), cfg.temperature)
-    with torch.no_grad():
-        mu_1 = cfg.num_iterations == 1  # then π_old is π itself
+    with torch.no_grad():  # π_old's log-probs at μ > 1 (at μ = 1 it is π itself); the reference's
         old = None if mu_1 else [logps_of(model, s) for s in micro]
         ref = [logps_of(ref_model, s) for s in micro] if cfg.beta else None
     totals, grad_norms = {"loss": 0.0}, []
@@ -662,47 +609,45 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             logps = logps_of(model, s)  # (b, C)
             loss, metrics = policy_loss(
                 logps, logps.detach() if mu_1 else old[j], on(rows.advantages, s),
-                on(rows.completion_mask, s), on(rows.loss_weights, s), ref[j] if ref else None,
-                cfg.beta, cfg.epsilon, cfg.epsilon_high)
+                on(rows.completion_mask, s), on(rows.loss_weights, s), ref and ref[j], cfg.beta,
+                cfg.epsilon, cfg.epsilon_high)
             loss.backward()
             totals["loss"] += loss.item()
             for key, value in metrics.items():  # token means, summed as token totals
                 totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[s].sum()
         sum_gradients(model)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
-        if not math.isfinite(norm):
-            raise UserError(f"the gradient norm is {norm}, so the update was not applied; lower --lr")
-        grad_norms.append(norm)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        if not grad_norms[-1].isfinite():
+            raise UserError(f"the gradient norm is {grad_norms[-1]:.0f}: no update; lower --lr")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    *sums, tokens = all_reduce([float(v) for v in totals.values()] + [rows.completion_mask.sum()])
-    result = {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
-              for k, v in zip(totals, sums)}
-    return result | {"grad_norm": sum(grad_norms) / len(grad_norms)}
+    *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])
+    means = {k: v / cfg.num_iterations / (1 if k == "loss" else tokens) for k, v in zip(totals, sums)}
+    return means | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # -----------------------------------------------------------------------------
 # 6. The training loop and the eval.
 
 def train(cfg) -> dict:
-    """Train as configured. Returns rank 0's summary: the first eval and the last.
+    """Train as configured; rank 0 returns the summary, the first eval and the last.
 
-        eval the starting policy
-        for each step: draw the batch, roll out, update, log; eval and save when due
+        eval the starting policy, unless the run resumes
+        each step: draw the batch and a seed, roll out, update, log; eval and save when due
     """
-    device = setup_ranks(cfg)
+    device = setup_ranks()
     rank, W = rank_and_world()
     examples, test_examples = load_jsonl(cfg.data), load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
     if len(examples) < cfg.prompts_per_step:
         raise UserError(f"{cfg.data}: {len(examples)} examples, fewer than --prompts-per-step")
-    model, tokenizer, ref_model, optimizer, scheduler, start = load_run(cfg, device)
-    log = open_log(cfg, start)  # appends one JSON line to metrics.jsonl, on rank 0
+    checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
+    model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     evaluation = lambda: evaluate(model, tokenizer, test_examples, cfg, cfg.seed + 12345)
-    if start == 0:
+    if state is None:
         with autocast:
             log({"step": 0, "eval": evaluation()})
     P, t0 = cfg.prompts_per_step, time.time()
-    for step in tqdm(range(start, cfg.steps), desc=cfg.variant, disable=rank != 0):
+    for step in tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0):
         t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         # the step's P prompts, the same on every rank, and this rank's share of them; then this
         # rank's sampling seed. Both come from the step, so a resumed run draws the same.
@@ -725,58 +670,50 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy and pass@k on held-out questions. Each pass@k, for k = 1..n, comes from
-    n = --eval-samples samples per question at the training temperature. Chunk c of max_rows
-    samples is seeded with seed + c and sampled by rank c % W, as one process would. GRPO-MA's
-    eval samples plain completions, no tree."""
+    """Greedy accuracy, and pass@k for k = 1..n from n = --eval-samples samples per held-out
+    question at the training temperature. Chunk c of max_rows samples is seeded with seed + c
+    and sampled by rank c % W, as one process would. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    size = max(1, max_rows // n)
-    greedy, pass_k = 0.0, [0.0] * n  # sums over this rank's questions
+    size, greedy, pass_k = max(1, max_rows // n), 0.0, [0.0] * n  # sums over this rank's chunks
     for c, start in enumerate(range(0, len(examples), size)):
-        if c % W != rank:
-            continue
-        torch.manual_seed(seed + c)
-        chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
-                   for ex in chunk]
-        references = [ex["answer"] for ex in chunk]
-        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy += score_batch(tokenizer, s, references, cfg.answer_from, cfg.response_prefix).sum()
-        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
-                              cfg.answer_from, cfg.response_prefix)
-        for correct in rewards.view(len(chunk), n).sum(1).long().tolist():
-            for k in range(1, n + 1):
-                pass_k[k - 1] += pass_at_k(n, correct, k)
-    totals = all_reduce([float(greedy)] + pass_k)
-    return {"greedy": totals[0] / len(examples)} | {
-        f"pass@{k}": totals[k] / len(examples) for k in range(1, n + 1)}
+        if c % W == rank:
+            torch.manual_seed(seed + c)
+            prompts = [prompt_ids(tokenizer, ex["question"], cfg.system_prompt, cfg.response_prefix)
+                       for ex in examples[start:start + size]]
+            references = [ex["answer"] for ex in examples[start:start + size]]
+            s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
+            greedy += score_batch(tokenizer, s, references, cfg.answer_from, cfg.response_prefix).sum()
+            s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
+            rewards = score_batch(tokenizer, s, [a for a in references for _ in range(n)],
+                                  cfg.answer_from, cfg.response_prefix)
+            for c in rewards.view(len(prompts), n).sum(1).long().tolist():  # c: correct samples
+                pass_k = [total + pass_at_k(n, c, k + 1) for k, total in enumerate(pass_k)]
+    greedy, *pass_k = all_reduce([greedy, *pass_k])
+    return {"greedy": greedy / len(examples)} | {
+        f"pass@{k + 1}": total / len(examples) for k, total in enumerate(pass_k)}
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of n samples, c correct, as Chen et al. 2021: 1 - C(n-c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 def show_group(tokenizer, rows: Rows, question: str, step: int):
-    """Print the first prompt's rows: reward, advantage (a mean over tokens if per token), text."""
+    """Print the rows after the first row's context: reward, advantage (a token mean), text."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
-    on = rows.completion_mask[shown]
-    adv = rows.advantages[shown]
-    adv = adv if adv.dim() == 1 else (adv * on).sum(1) / on.sum(1)
-    lines = [f"step {step}: {question!r}", "  reward  advantage  completion"]
-    for r, a, text in zip(rows.rewards[shown], adv, decode(tokenizer, rows.completion_ids[shown], on)):
-        lines.append(f"  {r:6.2f}  {a:+9.2f}  {text[:70]!r}")
-    tqdm.write("\n".join(lines))
+    mask, adv = rows.completion_mask[shown], rows.advantages[shown]
+    adv = adv if adv.dim() == 1 else (adv * mask).sum(1) / mask.sum(1)
+    texts = decode(tokenizer, rows.completion_ids[shown], mask)
+    tqdm.write("\n".join([f"step {step}: {question!r}", "  reward  advantage  completion"] + [
+        f"  {r:6.2f}  {a:+9.2f}  {text[:70]!r}" for r, a, text in zip(rows.rewards[shown], adv, texts)]))
 
 def summary(cfg, wall_s: float) -> dict:
     """Print the first eval against the last, both read from metrics.jsonl, and return them."""
     lines = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
     evals = [record["eval"] for record in map(json.loads, lines) if "eval" in record]
-    before, after = evals[0], evals[-1]
-    shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])
-    line = [f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in shown if k in before and k in after]
-    print(f"{cfg.variant}: " + " | ".join(line) + f" | {wall_s:.0f} s")
-    return {"variant": cfg.variant, "steps": cfg.steps, "before": before, "after": after}
+    shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])  # a resume may change n
+    print(f"{cfg.variant}: " + " | ".join(f"{k} {evals[0].get(k, math.nan):.3f} -> {evals[-1][k]:.3f}"
+                                           for k in shown) + f" | {wall_s:.0f} s")
+    return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
 # -----------------------------------------------------------------------------
 # 7. Plumbing: flags, data files and models. Bad input stops the run with one line that names it.
@@ -804,22 +741,17 @@ class Config:
     num_thoughts: int = _opt(4, "K (ma): thoughts per prompt")
     num_answers: int = _opt(4, "M (ma): answers per thought")
     max_answer_tokens: int = _opt(24, "answer length limit (ma)")
-    ma_weighting: Literal["parts", "tokens"] = _opt("parts", "(ma) parts: a mean over the "
-                                                    "thoughts plus one over the answers; tokens: one mean over both")
+    ma_weighting: Literal["parts", "tokens"] = _opt("parts", "(ma) a mean per part, or one mean")
     num_rephrasings: int = _opt(3, "N (ta): rephrasings per question, drawn each step")
-    ta_anchor: Literal["original", "rephrased"] = _opt("original", "(ta) context of the "
-                                                       "log-probs: q0 (the paper) or the rephrasing (public code)")
+    ta_anchor: Literal["original", "rephrased"] = _opt("original", "(ta) log-probs given q0 or not")
     # loss and optimisation
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _opt("dapo", "token aggregation as TRL's; "
-                                                         "DeepSeekMath's is grpo")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _opt("dapo", "token aggregation, as TRL's")
     scale_rewards: Literal["group", "none"] = _opt("group", "divide by the std; none: Dr. GRPO")
     beta: float = _opt(0.0, "k3 KL coefficient; a reference is loaded only when > 0")
     epsilon: float = _opt(0.2, "clip range of the ratio, and its upper one by default")
     epsilon_high: float | None = _opt(None, "upper clip range; DAPO's is 0.28")
     num_iterations: int = _opt(1, "mu: updates per sampled batch")
-    answer_from: Literal["tags", "last-number", "math-verify"] = _opt(
-        "tags", "the last <answer> tags; the last number; or the tags' answer as LaTeX, graded by "
-        "math_verify, which credits symbolic equality but reads \\boxed{5}x as 5")
+    answer_from: Literal["tags", "last-number", "math-verify"] = _opt("tags", "see score()")
     lr: float = _opt(2e-4, "AdamW learning rate; ~1e-6 for real models")
     warmup_steps: int = _opt(10, "linear warmup over steps, then constant")
     max_grad_norm: float = _opt(1.0, "gradient clipping")
@@ -841,51 +773,45 @@ class UserError(Exception):
     """A bad flag, data line or file: main() prints it as one line, without a traceback."""
 
 def parse_args(argv=None) -> Config:
-    """Config from the command line, checked before anything loads."""
+    """Config from the command line; a value that would crash or train wrong stops here."""
     parser = HfArgumentParser(Config, description="GRPO and variants.", allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
     counts = ["num_generations", "prompts_per_step", "max_new_tokens", "num_thoughts", "steps",
               "num_answers", "max_answer_tokens", "num_rephrasings", "num_iterations",
               "micro_batch_size", "eval_samples"]
-    rules = [(name, ">= 1", getattr(cfg, name) >= 1) for name in counts] + [
-        ("lr", "> 0 and finite", 0 < cfg.lr < math.inf), ("temperature", "> 0", cfg.temperature > 0),
-        ("max_grad_norm", "> 0", cfg.max_grad_norm > 0), ("beta", ">= 0", cfg.beta >= 0),
-        ("warmup_steps", ">= 0", cfg.warmup_steps >= 0), ("epsilon", ">= 0", cfg.epsilon >= 0),
-        ("epsilon_high", ">= 0", cfg.epsilon_high is None or cfg.epsilon_high >= 0),
-        ("eval_limit", ">= 0", cfg.eval_limit >= 0),
-        ("prompts_per_step", "divisible by the ranks",
-         cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)) == 0)]
-    for name, rule, ok in rules:
+    for name, rule, ok in [(name, ">= 1", getattr(cfg, name) >= 1) for name in counts] + [
+            ("lr", "> 0", 0 < cfg.lr < math.inf), ("temperature", "> 0", cfg.temperature > 0),
+            ("max_grad_norm", "> 0", cfg.max_grad_norm > 0), ("beta", ">= 0", cfg.beta >= 0),
+            ("warmup_steps", ">= 0", cfg.warmup_steps >= 0), ("epsilon", ">= 0", cfg.epsilon >= 0),
+            ("epsilon_high", ">= 0", (cfg.epsilon_high or 0) >= 0),
+            ("eval_limit", ">= 0", cfg.eval_limit >= 0), ("prompts_per_step", "divisible by "
+             "the ranks", cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)) == 0)]:
         if not ok:
             raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {rule}")
-    if extract_answer(cfg.response_prefix, cfg.answer_from) is not None:
-        raise UserError(f"--response-prefix {cfg.response_prefix!r} holds an answer: the reward "
-                        f"would come from the prompt, not from the model")
-    if cfg.variant == "ma" and "</think>" in cfg.response_prefix:
-        raise UserError(f"--response-prefix {cfg.response_prefix!r} closes the thought, which "
-                        f"--variant ma ends at the model's own </think>")
+    if extract_answer(cfg.response_prefix, cfg.answer_from) is not None or (
+            cfg.variant == "ma" and "</think>" in cfg.response_prefix):
+        raise UserError(f"--response-prefix {cfg.response_prefix!r} holds an answer, or under ma "
+                        f"closes the thought: the reward would not come from the model")
     if cfg.answer_from == "math-verify" and importlib.util.find_spec("math_verify") is None:
         raise UserError("--answer-from math-verify needs math_verify: pip install math-verify")
     return cfg
 
 def load_jsonl(path) -> list[dict]:
-    """A data file's examples; a bad line stops the run with its file:line."""
-    if not Path(path).is_file():
-        raise UserError(f"{path}: no such data file")
+    """A data file's {"question": str, "answer": str, "rephrasings": [str]} lines, rephrasings
+    optional; a bad line stops the run with its file:line."""
     examples = []
     for number, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         try:
-            if line.strip():
-                ex = json.loads(line)
-                ex.setdefault("rephrasings", [])
-                if not (all(isinstance(ex.get(k), str) and ex[k].strip() for k in ("question", "answer"))
-                        and isinstance(ex["rephrasings"], list)
-                        and all(isinstance(r, str) for r in ex["rephrasings"])):
-                    raise ValueError('expected {"question": str, "answer": str, "rephrasings": [str]}')
-                examples.append(ex)
-        except (ValueError, RecursionError, AttributeError) as e:  # bad UTF-8 or JSON, a list
+            ex = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, nesting too deep
             raise UserError(f"{path}:{number}: {reason(e)}") from None
+        if ex is not None and not (isinstance(ex, dict) and isinstance(
+                ex.setdefault("rephrasings", []), list) and all(isinstance(s, str) and s.strip() for s
+                                                                 in [ex.get("question"), ex.get("answer"), *ex["rephrasings"]])):
+            raise UserError(f'{path}:{number}: expected {{"question": str, "answer": str, '
+                            f'"rephrasings": [str]}}')
+        examples += [ex] if ex is not None else []
     if not examples:
         raise UserError(f"{path}: no examples")
     return examples
@@ -896,42 +822,22 @@ def reason(e: Exception) -> str:
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-        raise UserError(f"--model {path}: no such folder")
+    transformers.utils.logging.set_verbosity_error()  # no loading bars and notices
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as e:  # a missing, corrupt or empty file: say which folder, in one line
-        raise UserError(f"--model {path}: cannot load a model and tokenizer there "
-                        f"({reason(e)})") from None
+        raise UserError(f"--model {path}: cannot load a model and tokenizer ({reason(e)})") from None
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
 
-def load_run(cfg: Config, device):
-    """Policy, tokenizer, reference (β > 0), AdamW, warmup schedule, and the step to start from:
-    the latest checkpoint's under --resume, else 0. state.pt is loaded with weights_only, so a
-    run folder from elsewhere runs no code."""
-    checkpoint, state = find_checkpoint(cfg), None
-    if checkpoint:
-        try:
-            state = torch.load(checkpoint / "state.pt", weights_only=True)
-        except Exception as e:
-            raise UserError(f"--resume: {checkpoint / 'state.pt'} is not a checkpoint this file "
-                            f"wrote ({reason(e)})") from None
-        if state["step"] == cfg.steps and rank_and_world()[0] == 0:  # a requeue of a finished run
-            print(f"grpo.py: the run in {cfg.out} finished at step {cfg.steps}; nothing to train")
+def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
+    """Policy and tokenizer, from the checkpoint if any; the reference when β > 0; AdamW and the
+    warmup schedule, with the checkpoint's state."""
     model, tokenizer = load_model(str(checkpoint or cfg.model), device)
-    seen = tokenizer.decode(tokenizer(cfg.response_prefix, add_special_tokens=False,
-                                      split_special_tokens=True).input_ids)
-    if seen != cfg.response_prefix:  # the scorer reads the prefix as given: the model must too
-        raise UserError(f"--response-prefix {cfg.response_prefix!r} reaches the model as {seen!r}")
-    ref_model = None
-    if cfg.beta > 0:  # the frozen starting policy
-        ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False)
+    ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False) if cfg.beta else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -941,64 +847,56 @@ def load_run(cfg: Config, device):
     if state:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-    return model, tokenizer, ref_model, optimizer, scheduler, state["step"] if state else 0
+    return model, tokenizer, ref_model, optimizer, scheduler
 
 # -----------------------------------------------------------------------------
 # 8. Plumbing: the run folder, checkpoints and ranks.
 
-def find_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint to continue from, or None to start. A folder holding a run is continued
-    (--resume) or replaced (--overwrite), never reused; --resume without a checkpoint starts."""
-    out = Path(cfg.out)
-    saved = [p for p in out.glob("checkpoint-*") if p.suffix != ".tmp"]  # .tmp: a save that died
-    if cfg.resume and saved:
-        return max(saved, key=lambda p: int(p.name.split("-")[1]))
-    held = sorted(p.name for p in [*out.glob("checkpoint-*"), out / "metrics.jsonl"] if p.exists())
-    if held and not (cfg.overwrite or cfg.resume):
-        raise UserError(f"--out {out} already holds a run ({', '.join(held)}); continue it with "
-                        f"--resume or replace it with --overwrite")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    return None
-
-def open_log(cfg: Config, start: int):
-    """A function that appends one JSON line to metrics.jsonl, on rank 0 only. A fresh run first
-    removes an old run's files, now that its own checks passed. A resumed one cuts the log back to
-    its size at the checkpoint, so that what it redoes is not there twice."""
-    if rank_and_world()[0] != 0:
-        return lambda record: None
-    out = Path(cfg.out)
-    if start == 0:
-        for path in out.glob("checkpoint-*"):
-            shutil.rmtree(path)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-    else:
-        size = torch.load(out / f"checkpoint-{start}" / "state.pt", weights_only=True)["log_size"]
-        os.truncate(out / "metrics.jsonl", size)
+def open_run(cfg: Config):
+    """(checkpoint, state, log). Under --resume, the latest checkpoint and its state.pt, loaded
+    with weights_only so that a folder from elsewhere runs no code; else None, None. log()
+    appends a JSON line to metrics.jsonl on rank 0. A folder holding a run is continued (--resume)
+    or replaced (--overwrite), never reused. A resumed log is cut back to its size at the
+    checkpoint, so that the steps the run redoes are not there twice."""
+    out, main_rank = Path(cfg.out), rank_and_world()[0] == 0
+    held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
+    saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
+    if held and not (cfg.resume or cfg.overwrite):
+        raise UserError(f"--out {out} already holds a run ({', '.join(p.name for p in held)}); "
+                        f"continue it with --resume or replace it with --overwrite")
+    checkpoint, state = (saved[-1], None) if cfg.resume and saved else (None, None)
+    if checkpoint:
+        try:
+            state = torch.load(checkpoint / "state.pt", weights_only=True)
+        except Exception as e:
+            raise UserError(f"--resume: {checkpoint / 'state.pt'} is not a checkpoint this file "
+                            f"wrote ({reason(e)})") from None
+    if not main_rank:
+        return checkpoint, state, lambda record: None
+    for path in held if not checkpoint else []:  # a fresh run replaces an old one
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     file = open(out / "metrics.jsonl", "a")
-    return lambda record: (file.write(json.dumps(record) + "\n"), file.flush())
+    file.truncate(state["log_size"] if state else 0)
+    return checkpoint, state, lambda record: (file.write(json.dumps(record) + "\n"), file.flush())
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """On rank 0: out/checkpoint-<step> holds the model, tokenizer and state.pt (optimizer,
-    schedule, step, the log's size). It is written as .tmp and renamed when complete, so a kill
-    at any moment leaves the last complete one; then the older ones go."""
-    out = Path(cfg.out)
-    if rank_and_world()[0] != 0:
-        return
-    final, tmp = out / f"checkpoint-{step}", out / f"checkpoint-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "step": step, "log_size": (out / "metrics.jsonl").stat().st_size}, tmp / "state.pt")
-    os.replace(tmp, final)
-    for old in out.glob("checkpoint-*"):
-        if old != final:
+    """On rank 0: out/checkpoint-<step> holds the model, tokenizer and state.pt (AdamW, schedule,
+    step, the log's size). It is written as .tmp and renamed when complete, so a kill at any
+    moment leaves the last complete one; then the older ones go."""
+    out, final = Path(cfg.out), Path(cfg.out) / f"checkpoint-{step}"
+    if rank_and_world()[0] == 0:
+        tmp = final.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "step": step, "log_size": (out / "metrics.jsonl").stat().st_size}, tmp / "state.pt")
+        os.replace(tmp, final)
+        for old in set(out.glob("checkpoint-*")) - {final}:
             shutil.rmtree(old)
 
-def setup_ranks(cfg: Config) -> torch.device:
+def setup_ranks() -> torch.device:
     """The device; under torchrun, join the process group: NCCL on GPUs, gloo on CPU."""
     device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -1015,35 +913,32 @@ def rank_and_world() -> tuple[int, int]:
     dist = torch.distributed
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
-def all_reduce(values: list[float]) -> list[float]:
+def all_reduce(values: list) -> list[float]:
     """Sum numbers over the ranks; identity in one process. Every rank makes the same calls."""
-    if not torch.distributed.is_initialized():
-        return [float(v) for v in values]
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+    values = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        values = values.to("cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        torch.distributed.all_reduce(values)
+    return values.tolist()
 
 def mean_over_ranks(metrics: dict) -> dict:
     """Each metric tensor -> the mean of its elements on all ranks (NaN if none), one all_reduce."""
-    sums = all_reduce([v.double().sum() for v in metrics.values()] +
-                      [v.numel() for v in metrics.values()])
+    sums = all_reduce([v.double().sum() for v in metrics.values()] + [v.numel() for v in metrics.values()])
     n = len(metrics)
     return {k: sums[i] / sums[n + i] if sums[n + i] else math.nan for i, k in enumerate(metrics)}
 
 def sum_gradients(model):
     """Sum the gradients over the ranks: the loss weights are shares of the global batch."""
-    if torch.distributed.is_initialized():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-                torch.distributed.all_reduce(p.grad)
+    for p in model.parameters() if torch.distributed.is_initialized() else []:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            torch.distributed.all_reduce(p.grad)
 
 def main(argv=None):
     """The command line: bad flags, files or data stop with one line that names them."""
     try:
         return train(parse_args(argv))
-    except UserError as e:
+    except (UserError, OSError) as e:  # OSError: a missing data file, an --out not writable
         sys.exit(f"grpo.py: error: {e}")
     finally:
         if torch.distributed.is_initialized():
