@@ -225,7 +225,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # 2. The reward. It is strict by being narrow: what it cannot read is a miss, never a guess, since
 # the policy is trained toward a false positive. Model output is text: it is read, never run.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
-PROSE = ".,;:!?'\"*"  # what may touch a number besides letters
+PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
 
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
@@ -254,7 +254,7 @@ def extract_answer(text: str, answer_from: str = "tags"):
     if answer_from == "last-number":
         words = re.sub(r"</?(?:think|answer)>", " ", text).split()  # the tags are spaces here
         at = [i for i, word in enumerate(words) if re.search("[0-9]", word)]
-        prose = lambda word: all(c.isalpha() or c in PROSE for c in word)
+        prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in word)
         before = words[at[-1] - 1] if at and at[-1] else ""
         if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
             return None  # a sign, a relation or an operator beside it: '- 8', 'x ≥ 8', '8 - x'
@@ -682,7 +682,7 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
     for number, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         try:
             examples.append(ex := json.loads(line))
-            strings = [ex["question"], ex["answer"], *ex.setdefault("rephrasings", [])]
+            strings = [ex["question"], ex["answer"]] + ex.setdefault("rephrasings", [])
             if not all(isinstance(s, str) and s.strip() for s in strings):
                 raise ValueError("expected non-empty strings")
         except (ValueError, RecursionError, TypeError, KeyError) as e:  # RecursionError: nesting
@@ -706,7 +706,7 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
     model, tokenizer = load_model(str(checkpoint or cfg.model), device)
     ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False) if cfg.beta else None
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()  # transformers 5's gradient checkpointing
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))

@@ -208,7 +208,7 @@ def sft(model, tokenizer, train_pairs, rng, task: Task = Task(), batch_size=64, 
             a, b = rng.choice(train_pairs)
             k = rng.randrange(len(TEMPLATES))
             a, b = (a, b) if rng.random() < 0.5 else (b, a)
-            prompt = grpo.prompt_ids(tokenizer, TEMPLATES[k].format(a=a, b=b), grpo.SYSTEM_PROMPT)
+            prompt = grpo.prompt_ids(tokenizer, grpo.Config(), TEMPLATES[k].format(a=a, b=b))
             target = tokenizer(solution(a, b, rng, k, task), add_special_tokens=False).input_ids
             target.append(tokenizer.eos_token_id)
             seqs.append(prompt + target)
@@ -233,11 +233,12 @@ def report(model, tokenizer, test, max_new_tokens: int = 32):
     prompts, answers, kinds = [], [], []
     for row in test:
         for text in [row["question"]] + row["rephrasings"]:
-            prompts.append(grpo.prompt_ids(tokenizer, text, grpo.SYSTEM_PROMPT))
+            prompts.append(grpo.prompt_ids(tokenizer, grpo.Config(), text))
             answers.append(row["answer"])
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
-    rewards = grpo.score_batch(tokenizer, grpo.generate(model, tokenizer, prompts, 1, max_new_tokens), answers)[0]
+    samples = grpo.generate(model, tokenizer, prompts, 1, max_new_tokens)
+    rewards = grpo.score_batch(tokenizer, samples, answers, grpo.Config())
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
@@ -389,15 +390,18 @@ def rephrase(args):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     rows = grpo.load_jsonl(args.input)
-    model, tokenizer = grpo.load_model(args.model, grpo.pick_device(args.device))
+    device = torch.device(args.device) if args.device != "auto" else (
+        torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu"))
+    model, tokenizer = grpo.load_model(args.model, device)
     torch.manual_seed(args.seed)
-    prompts = [grpo.prompt_ids(tokenizer, REPHRASE_PROMPT.format(n=args.n, question=row["question"]), "")
+    no_system = grpo.Config(system_prompt="")
+    prompts = [grpo.prompt_ids(tokenizer, no_system, REPHRASE_PROMPT.format(n=args.n, question=row["question"]))
                for row in rows]
     replies = []
     for i in range(0, len(prompts), args.batch_size):
-        s = grpo.generate(model, tokenizer, prompts[i:i + args.batch_size], 1, args.max_new_tokens,
-                          temperature=args.temperature)
-        replies += grpo.decode(tokenizer, s.completion_ids, s.completion_mask)
+        ids, mask, _ = grpo.generate(model, tokenizer, prompts[i:i + args.batch_size], 1, args.max_new_tokens,
+                                     temperature=args.temperature)
+        replies += grpo.decode(tokenizer, ids, mask)
     total, dropped, empty_rows = 0, Counter(), 0
     for row, reply in zip(rows, replies):
         candidates = split_numbered(reply)
