@@ -721,15 +721,15 @@ def open_run(cfg: Config):
     (--overwrite), never reused. --resume takes the latest checkpoint, its state.pt loaded with
     weights_only (no code runs), and cuts metrics.jsonl back to it: redone steps are not there
     twice. log() appends to metrics.jsonl on rank 0."""
-    out = Path(cfg.out)
+    out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
-    if held and not (cfg.resume or cfg.overwrite):
+    if held and not (cfg.resume or cfg.overwrite) and rank == 0:  # others may see rank 0's new log
         raise UserError(f"--out {out} already holds a run ({', '.join(p.name for p in held)}); "
                         f"continue it with --resume or replace it with --overwrite")
     checkpoint = saved[-1] if cfg.resume and saved else None  # not a .tmp: a save that died
     state = torch.load(checkpoint / "state.pt", weights_only=True) if checkpoint else None
-    if rank_and_world()[0] != 0:
+    if rank != 0:
         return checkpoint, state, lambda record: None
     for path in [] if checkpoint else held:  # a fresh run replaces an old one
         shutil.rmtree(path) if path.is_dir() else path.unlink()

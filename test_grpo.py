@@ -687,10 +687,10 @@ def test_logps_and_their_gradients_equal_hf_forward_row_by_row(tiny, variant):
 
 
 def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
-    """At a vocabulary of 5000 the lm_head runs in chunks of 2**25 // 5000 = 6710 tokens: three here."""
+    """At a vocabulary of 8192 the lm_head runs in chunks of 2**25 // 8192 = 4096 tokens: two here."""
     torch.manual_seed(0)
-    H, V, C = 16, 5000, 9000
-    hidden = torch.randn(4, 1 + C, H, requires_grad=True)  # a context of one token, then C completion tokens
+    H, V, C = 16, 8192, 3000
+    hidden = torch.randn(3, 1 + C, H, requires_grad=True)  # a context of one token, then C completion tokens
 
     class Stub(torch.nn.Module):  # a decoder that returns `hidden`, and a real lm_head
         def __init__(self):
@@ -698,12 +698,12 @@ def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
             self.lm_head = torch.nn.Linear(H, V, bias=False)
             self.model = lambda **kwargs: type("Out", (), {"last_hidden_state": hidden})()
     stub = Stub()
-    targets = torch.randint(0, V, (4, C))
-    mask = (torch.arange(C)[None] < torch.tensor([C, 8000, 100, 1])[:, None]).long()
-    ours = grpo.completion_logps(stub, [[0]] * 4, targets, mask, 0.8)
+    targets = torch.randint(0, V, (3, C))
+    mask = (torch.arange(C)[None] < torch.tensor([C, 2500, 1])[:, None]).long()
+    ours = grpo.completion_logps(stub, [[0]] * 3, targets, mask, 0.8)
     naive = (stub.lm_head(hidden[:, :-1]) / 0.8).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1) * mask
     assert torch.allclose(ours, naive, atol=1e-5)
-    w = torch.randn(4, C)
+    w = torch.randn(3, C)
     g_ours = torch.autograd.grad((ours * w).sum(), [hidden, stub.lm_head.weight])
     g_naive = torch.autograd.grad((naive * w).sum(), [hidden, stub.lm_head.weight])
     for a, b in zip(g_ours, g_naive):
@@ -1253,8 +1253,9 @@ def on_metrics_line(monkeypatch, n, action):
 
 # SMALL's metrics lines: 1 eval 0, 2 step 1, 3 step 2, 4 eval 2, 5 step 3, 6 step 4, 7 eval 4, 8 step 5, 9 eval 5.
 # A kill after any of them, or in the middle of the step or save after it, loses only what the last checkpoint
-# (steps 2 and 4) did not hold: the resume redoes it, and the run ends as if it had never stopped.
-@pytest.mark.parametrize("line", range(1, 10))
+# (steps 2 and 4) did not hold: the resume redoes it, and the run ends as if it had never stopped. One kill per
+# case: before the first checkpoint, after a step or an eval that the last checkpoint did not see, at the end.
+@pytest.mark.parametrize("line", [1, 4, 5, 7, 9])
 def test_a_kill_after_any_line_and_a_resume_repeat_the_run(line, uninterrupted, tmp_path, monkeypatch):
     out = tmp_path / "run"
     on_metrics_line(monkeypatch, line, kill)
@@ -2239,19 +2240,18 @@ def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path):
         assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
 
 
-def test_torchrun_two_ranks_train_save_and_resume(tmp_path):
-    """grpo.py under torchrun with 2 gloo ranks: rank 0 alone writes the log and the checkpoint, and a resume
-    continues the run."""
+def test_torchrun_two_ranks_train_and_save(tmp_path):
+    """grpo.py under torchrun with 2 gloo ranks, each with one of the 2 prompts: rank 0 alone writes the log,
+    the checkpoint and the summary line."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "grpo.py"), *SMALL, "--out", str(out), "--resume", "--eval-every", "0"]
-    for steps in ("2", "3"):
-        done = subprocess.run(command + ["--steps", steps], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
+               str(HERE / "grpo.py"), *SMALL, "--out", str(out), "--steps", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [0, 1, 2, 2, 3, 3]  # evals at 0 and at each end; no line twice
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]
-    assert done.stdout.count("grpo: greedy") == 1  # rank 0's summary only
+    assert [l["step"] for l in lines] == [0, 1, 2, 2]  # each line once
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    assert done.stdout.count("grpo: greedy") == 1
 
 @bench
 def test_bench_scoring_degenerate_completions(request):
