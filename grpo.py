@@ -17,9 +17,9 @@ One GRPO step, as train runs it:
         loss.backward(); clip the gradient norm; optimizer.step()     update
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
-By default μ = 1: π_old is π itself, so ρ = 1, nothing is clipped, and the gradient is the policy
-gradient -Σ w A ∇ log π. Defaults: P = 16, G = 8, 32 new tokens, dapo's w, β = 0; K = M = 4 for
-ma; N = 3 for ta. A batch is B rows by C completion tokens.
+By default μ = 1. Then π_old is π itself, so ρ = 1 and nothing is clipped. The gradient is the
+policy gradient -Σ w A ∇ log π. Defaults: P = 16, G = 8, 32 new tokens, dapo's w, β = 0; K = M = 4
+for ma; N = 3 for ta. A batch is B rows by C completion tokens.
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
 
@@ -32,8 +32,8 @@ The variants change what a row holds: its context, its advantage A and its token
     ta      q0 and N rephrasings, G samples each; A over all (N+1)·G  TA-GRPO, arXiv 2601.22478
             of q0; every context is q0's prompt
 
-Simplified: one process samples, with a short KV-cache loop, and trains; π_old is its own forward
-pass. The reward reads one number or compares text. No LoRA: the reference is a full copy.
+Simplified: one process samples with a short KV-cache loop and trains. Its own forward pass gives
+π_old. The reward reads one number or compares text. No LoRA: the reference is a full copy.
 GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
 Sections 1 to 6 are the algorithm; 7 is plumbing.
 """
@@ -58,8 +58,8 @@ from tqdm import tqdm
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
 
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
-    """GRPO's advantage: each reward normalised within its group. rewards (B,) are floats, groups
-    (B,) ids from 0 to n-1. The std is unbiased, as TRL's.
+    """GRPO's advantage: each reward normalised within its group. The rewards are B floats, the
+    groups B ids from 0 to n-1. The std is unbiased, as TRL's.
 
         A_i = (r_i - mean(r_g)) / (std(r_g) + eps)      g: the rows with i's group id
         A_i = r_i - mean(r_g)                           scale="none", as Dr. GRPO
@@ -67,7 +67,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    eps makes 0.5 read 0.4999. A group of equal rewards gets exactly 0, not float noise / eps.
+    The eps makes 0.5 read 0.4999. A group of equal rewards gets exactly 0, not float noise / eps.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n
@@ -99,8 +99,8 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, also take rollout_ma's rows: an answer's context is its prompt, then its
-    thought, and thoughts and answers are two loss parts, each aggregated alone.
+    To copy GRPO-MA, also take rollout_ma's rows. An answer's context is its prompt, then its
+    thought. Thoughts and answers are two loss parts, each aggregated alone.
     """
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
@@ -118,20 +118,20 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do: the ratio of
-    a response o_jg sampled after the rephrasing q_j is ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(...).
-    So π(· | q0) learns from samples of π(· | q_j) with no importance weight: biased on purpose,
-    as the rephrasings explore. The paper's v5 anchors so (arxiv.org/abs/2601.22478v5); its code
-    keeps each response's own q_j (github.com/lhkhiem28/TA-GRPO), as --ta-anchor rephrased does.
+    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do:
+        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
+    So π given q0 learns from samples given q_j, with no importance weight. It is biased on
+    purpose, because the rephrasings explore. The paper's v5 anchors so: arxiv.org/abs/2601.22478v5.
+    Its code keeps each response's q_j, as --ta-anchor rephrased does: github.com/lhkhiem28/TA-GRPO.
     """
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO's token weights 1/|λ(i,t)|, (B, C), 0 off the mask.
+    """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask.
 
-    |λ(i,t)| counts the completions of i's group that agree with i on tokens 0..t. It counts
-    i itself and exact duplicates. So a prefix shared by k completions is trained once, not k
-    times. A group is group_size consecutive rows, each right-padded. A group of 6:
+    The count |λ(i,t)| is of the completions of i's group that agree with i on tokens 0 to t, i
+    itself and exact duplicates included. So a prefix that k completions share is trained once,
+    not k times. A group is group_size consecutive rows, each right-padded. A group of 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -146,8 +146,8 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
             [0.5000, 0.5000, 1.0000],
             [1.0000, 1.0000, 0.0000]])
 
-    To copy λ-GRPO, multiply the aggregation weights by these: the policy and the KL terms, as in
-    the paper, not the normaliser. Memory: ~4·B·G·C bytes.
+    To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
+    policy and the KL terms, not the normaliser. Memory: ~4·B·G·C bytes.
     """
     B, C = completion_ids.shape
     ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
@@ -159,7 +159,7 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
-    """(B, C) weight w of each token in the loss, as TRL aggregates. |o_i| is row i's length.
+    """The weight w of each token in the loss, B by C, as TRL aggregates. Row i's length is |o_i|.
 
         dapo     1 / (all tokens)                     one token mean over the batch
         grpo     1 / (rows · |o_i|)                   the mean over rows of each row's token mean
@@ -170,8 +170,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, less
-    with λ's 1/|λ|, 2 with GRPO-MA's two parts. A piece of a batch (a rank's rows) takes the whole
-    batch's num_rows and num_tokens, so that the pieces' losses add up to the batch's.
+    with λ's 1/|λ|, 2 with GRPO-MA's two parts. A piece of a batch, such as a rank's rows, takes the
+    whole batch's num_rows and num_tokens. Then the pieces' losses add up to the batch's.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -186,7 +186,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """The loss -J to minimise, and its metrics. Tensors are (B, C); advantages (B,) or (B, C).
+    """The loss -J to minimise, and its metrics. Tensors are B by C, the advantages B or B by C.
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
@@ -198,9 +198,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     >>> loss.backward(); loss.item(), logp.grad
     (-2.0, tensor([[-1., -1.]]))
 
-    At μ = 1 the old log-probs are logp.detach(). So ρ is 1 in value, ∂ρ/∂logp = ρ = 1, and both
-    terms of the min are ρA: either gives ∂loss/∂logp = -w A, the policy gradient, however torch
-    splits the tie. As in TRL, ε_high is ε when None. The metrics are token means.
+    At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
+    terms of the min are then ρA. Either gives ∂loss/∂logp = -w A, the policy gradient. As in TRL,
+    ε_high is ε when None. The metrics are token means.
     """
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -234,7 +234,7 @@ def score(text: str, reference: str, finished: bool, answer_from: str = "tags") 
     - last-number: the last number, when only words, prose punctuation or "=" stand around it.
     - math-verify: the tags' answer, graded against the reference as LaTeX by math_verify.
     Both sides lose whitespace, $, a final period and one \\boxed{} around all. A numeric reference
-    wants the same value ('1,234.0' is 1234; '2x' and '18 eggs' miss), any other the same text."""
+    wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others want the same text."""
     answer = extract_answer(text, answer_from)
     if not finished or answer is None:
         return 0.0
@@ -263,8 +263,8 @@ def extract_answer(text: str, answer_from: str = "tags"):
     return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
 
 def score_batch(tokenizer, samples, references, cfg, before=None):
-    """(B,) rewards of generate's (completion_ids, completion_mask, finished). Each text is scored
-    after `before`: by default the response prefix; for a GRPO-MA answer, prefix and thought."""
+    """The B rewards of what generate returns. Each text is scored after `before`, by default the
+    response prefix. A GRPO-MA answer is scored after the prefix and its thought."""
     texts = decode(tokenizer, *samples[:2])
     before = before or [cfg.response_prefix] * len(texts)
     return torch.tensor([score(b + text, reference, done, cfg.answer_from) for b, text, reference,
@@ -274,8 +274,8 @@ def score_batch(tokenizer, samples, references, cfg, before=None):
 # HF's decoder layout, model.model then model.lm_head (Qwen2/3, Llama), and transformers >= 5.24.
 
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
-    """The ids of a question in the chat template, then of --response-prefix: the reply's first
-    words, as DeepSeek-R1's template ends with <think>; plain text, never sampled or trained."""
+    """The ids of a question in the chat template, then of --response-prefix. The prefix is plain
+    text that begins the reply, as <think> in DeepSeek-R1's template. It is never trained."""
     messages = [{"role": "system", "content": cfg.system_prompt}] * bool(cfg.system_prompt)
     text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
                                          tokenize=False, add_generation_prompt=True)
@@ -283,14 +283,14 @@ def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids + prefix.input_ids
 
 def left_pad(seqs: list[list[int]], pad_id: int):
-    """Lists of ids -> (B, L) ids and attention mask, padded on the left."""
+    """Lists of ids -> ids and attention mask, B by L, padded on the left."""
     pad = lambda rows, value: torch.nn.utils.rnn.pad_sequence(
         [torch.tensor(row, dtype=torch.long) for row in rows], True, value, "left")
     return pad(seqs, pad_id), pad([[1] * len(s) for s in seqs], 0)
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder's last hidden states (B, S, H) for S new tokens, before the lm_head. They follow
-    the tokens in `cache`, a DynamicCache that grows in place; the mask covers both."""
+    """The decoder's last hidden states, B by S by H, for S new tokens, before the lm_head. They
+    follow the tokens in `cache`, a DynamicCache that grows in place. The mask covers both."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # < 5.24: past_key_values
@@ -310,10 +310,10 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()):
-    """n samples of each prompt, rows prompt-major: completion_ids (B, C) right-padded, and
-    completion_mask (B, C) 1 up to and including the token that ended the row: an EOS (then
-    finished (B,) is True), the token that completes a stop string, or the max_new_tokens-th.
-    Tokens are drawn from softmax(logits / T), with no top-k or top-p: the loss's log-probs are.
+    """Samples n completions of each prompt, rows prompt-major. Returns completion_ids, B by C and
+    right-padded; completion_mask, 1 up to and including the token that ended the row; finished.
+    A row ends at an EOS, when finished is True, at a stop string's last token, or at the limit.
+    Each token is drawn from softmax(logits / T), with no top-k or top-p, as the loss assumes.
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
                     logits = lm_head(decoder(token, cache)) for the rest, row r being active[r]"""
@@ -358,9 +358,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 
 @dataclass
 class Rows:
-    """What a rollout hands to update(): B completions with their contexts, advantages and token
-    weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so a rollout states its whole
-    objective, update() knows no variant, and the module docstring's table is what they hold."""
+    """What a rollout hands to update: B completions with their contexts, advantages and token
+    weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J. So a rollout states its whole
+    objective, and update knows no variant. The module docstring says what each variant holds."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
@@ -369,12 +369,12 @@ class Rows:
     rewards: torch.Tensor          # (B,) shown by --log-completions; an MA thought's is its V
 
 def batch_weights(completion_mask, loss_type: str, max_completion_length: int):
-    """aggregation_weights (B, C) of this rank's rows, with the rows and tokens of all ranks."""
+    """The aggregation weights of this rank's rows, counting the rows and tokens of all ranks."""
     rows, tokens = all_reduce([len(completion_mask), completion_mask.sum()])
     return aggregation_weights(completion_mask, loss_type, rows, tokens, max_completion_length)
 
 def no_signal(advantages, groups, num_groups: int):
-    """(num_groups,) True where every row of the group has A = 0: frac_reward_zero_std's cases."""
+    """True for each group whose rows all have A = 0: what frac_reward_zero_std counts."""
     nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)
     return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
@@ -396,9 +396,9 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     return Rows([prompts[p] for p in group], ids, mask, advantages, weights, rewards), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>, then M
-    answers per closed thought, sampled after prompt + thought; ma_advantages scores the tree.
-    An open thought gets no answers: V = 0. The rows, K = 2, M = 2, thought 1 left open:
+    """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>. Then M
+    answers per closed thought, sampled after prompt + thought. The function ma_advantages scores
+    the tree; an open thought gets no answers, so V = 0. The rows, K = 2, M = 2, thought 1 open:
 
         row  context             completion        advantage  w (--ma-weighting parts)
         0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
@@ -406,8 +406,8 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         2    prompt + thought 0  answer 0,0        A(a_0,0)   1 / (all answer tokens)
         3    prompt + thought 0  answer 0,1        A(a_0,1)   1 / (all answer tokens)
 
-    So J = J(thoughts) + J(answers): M answers do not outweigh their thought. --ma-weighting
-    tokens pools both parts in one mean instead."""
+    So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
+    Instead --ma-weighting tokens pools both parts in one mean."""
     K, M = cfg.num_thoughts, cfg.num_answers
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     th_ids, th_mask, _ = generate(model, tokenizer, prompts, K, cfg.max_new_tokens,
@@ -439,8 +439,8 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 with up to N of its rephrasings q_j, drawn afresh each step, and
-    G responses to each. Advantages are normalised over the question's (N+1)·G responses. Their
-    contexts are q0 (--ta-anchor original), or each one's own q_j (rephrased)."""
+    G responses to each. Advantages are normalised over the question's N+1 times G responses.
+    Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
     G, N = cfg.num_generations, cfg.num_rephrasings
     phrasings, question = [], []  # per phrasing: its ids and its question's index; q0 comes first
     for p, ex in enumerate(batch):
@@ -467,15 +467,15 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
-    """(B, C) log softmax(logits / T) of each completion token given its context and the tokens
-    before it, 0 off the mask. One forward pass over context + completion, no KV cache:
+    """Log softmax(logits / T) of each completion token, B by C, given its context and the
+    tokens before it; 0 off the mask. One forward pass over context + completion, no KV cache:
 
         input       pad p1 p2 p3 | t1 t2 pad      the context left-padded to L tokens,
         mask         0  1  1  1  |  1  1  0       the completion right-padded
         predicts             t1  | t2 -           position L-1 predicts completion token 0
 
-    The lm_head runs on chunks of ~2**25 logits, recomputed in the backward pass: so memory does
-    not grow with B · C · vocabulary, which is 150k for Qwen."""
+    The lm_head runs on chunks of ~2**25 logits, recomputed in the backward pass. So memory does
+    not grow with B · C · vocabulary, and Qwen's vocabulary is 150k."""
     width = int(completion_mask.sum(1).max())  # the columns past it hold only padding
     ids, mask = completion_ids[:, :width], completion_mask[:, :width].bool()
     context_ids, context_mask = (x.to(ids.device) for x in left_pad(contexts, 0))
@@ -494,11 +494,11 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
     return logps
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
-    """μ = --num-iterations optimizer steps on one batch of rows, whichever variant made them.
-    The weights w count the whole batch on all ranks, so a micro-batch's loss is its piece of -J,
-    and the pieces summed over micro-batches and ranks are -J. backward() adds up a rank's
-    gradients, sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
-    about progress: watch the reward. test_update_works_one_grpo_step_by_hand checks a step."""
+    """Takes μ = --num-iterations optimizer steps on a batch of rows, whichever variant made them.
+    The weights w count the whole batch on all ranks. So a micro-batch's loss is its piece of -J,
+    and the pieces summed over micro-batches and ranks are -J. Each backward adds up a rank's
+    gradients, and sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
+    of progress, so watch the reward. The test test_update_works_one_grpo_step_by_hand checks it."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     micro = [slice(i, i + b) for i in range(0, len(rows.contexts), b)]  # b rows each
     on = lambda x, s: x[s].to(device)
@@ -533,9 +533,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 # 6. The training loop and the eval.
 
 def train(cfg) -> dict:
-    """Train as configured: eval the starting policy, unless the run resumes; then each step draw
-    the batch and a seed, roll out, update, log, eval and save when due. Rank 0 returns the
-    summary, the first eval and the last."""
+    """Train as configured. Eval the starting policy, unless the run resumes. Then, each step,
+    draw the batch and a seed, roll out, update and log; eval and save when due. Rank 0 returns
+    the summary: the first eval and the last."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
@@ -566,8 +566,8 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n from n = --eval-samples
-    samples per held-out question at the training temperature. Chunk c of max_rows samples is
+    """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n. The n = --eval-samples
+    samples per held-out question are at the training temperature. Chunk c of max_rows samples is
     seeded with seed + c and sampled by rank c % W. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
@@ -649,7 +649,7 @@ class Config:
     gradient_checkpointing: bool = False  # less activation memory for more compute
 
 class UserError(Exception):
-    """A bad flag, data line or file: main() prints it as one line, without a traceback."""
+    """A bad flag, data line or file. The main function prints it as one line, no traceback."""
 
 def parse_args(argv=None) -> Config:
     """Config from the command line; a value that would crash or train wrong stops here."""
@@ -693,7 +693,7 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
 
 def load_model(path: str, device):
     """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
-    transformers.utils.logging.set_verbosity_error()  # no loading bars and notices
+    transformers.utils.logging.disable_progress_bar()  # no bar per weight file
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
@@ -717,10 +717,10 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
     return model, tokenizer, ref_model, optimizer, scheduler
 
 def open_run(cfg: Config):
-    """(checkpoint, state, log). A folder holding a run is continued (--resume) or replaced
-    (--overwrite), never reused. --resume takes the latest checkpoint, its state.pt loaded with
-    weights_only (no code runs), and cuts metrics.jsonl back to it: redone steps are not there
-    twice. log() appends to metrics.jsonl on rank 0."""
+    """Returns the checkpoint, its state, and log: it appends to metrics.jsonl on rank 0. A folder
+    that holds a run is continued with --resume or replaced with --overwrite, never reused. A
+    resume takes the latest checkpoint. Its state.pt loads with weights_only, so no code runs.
+    The log is cut back to the checkpoint, so the steps a resume redoes are not there twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
@@ -739,8 +739,8 @@ def open_run(cfg: Config):
     return checkpoint, state, lambda record: (file.write(json.dumps(record) + "\n"), file.flush())
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """On rank 0: out/checkpoint-<step> with the model, tokenizer and state.pt (AdamW, schedule,
-    step, the log's size), written as .tmp and renamed, so that a kill leaves a whole one."""
+    """On rank 0, out/checkpoint-<step>: model, tokenizer, and state.pt with AdamW, the schedule,
+    the step and the log's size. It is written as .tmp, then renamed: a kill leaves a whole one."""
     out, final = Path(cfg.out), Path(cfg.out) / f"checkpoint-{step}"
     if rank_and_world()[0] == 0:
         tmp = final.with_suffix(".tmp")
@@ -765,7 +765,7 @@ def setup_ranks() -> torch.device:
     return device
 
 def rank_and_world() -> tuple[int, int]:
-    """(this process's rank, the number of ranks): (0, 1) without torchrun."""
+    """This process's rank and the number of ranks; 0 and 1 without torchrun."""
     dist = torch.distributed
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -778,7 +778,7 @@ def all_reduce(values: list) -> list[float]:
     return values.tolist()
 
 def mean_over_ranks(metrics: dict) -> dict:
-    """Each metric tensor -> the mean of its elements on all ranks (NaN if none), one all_reduce."""
+    """Each metric tensor -> the mean of its elements on all ranks, NaN if none, in one call."""
     n, values = len(metrics), metrics.values()
     sums = all_reduce([v.double().sum() for v in values] + [v.numel() for v in values])
     return {k: sums[i] / sums[n + i] if sums[n + i] else math.nan for i, k in enumerate(metrics)}
