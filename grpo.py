@@ -276,7 +276,7 @@ def score_batch(tokenizer, samples, references, cfg, before=None):
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     """The ids of a question in the chat template, then of --response-prefix. The prefix is plain
     text that begins the reply, as <think> in DeepSeek-R1's template. It is never trained."""
-    messages = [{"role": "system", "content": cfg.system_prompt}] * bool(cfg.system_prompt)
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
                                          tokenize=False, add_generation_prompt=True)
     prefix = tokenizer(cfg.response_prefix, add_special_tokens=False, split_special_tokens=True)

@@ -6,8 +6,6 @@ Plot learning curves from runs' metrics.jsonl files (matplotlib is needed here o
 
 Each argument is [panel:]label=run_folder. One panel per name before ':' (default: one panel); in each, held-out
 pass@1 (solid) at every eval step and the batch reward (dotted, its moving average over 5 steps) per label.
---x step,tokens draws each panel twice: against steps, and against the completion tokens sampled so far (the
-runs' `tokens`), which puts variants with different sample budgets on one budget axis.
 """
 
 import argparse
@@ -16,12 +14,12 @@ import sys
 from pathlib import Path
 
 
-def read(folder: Path, x: str = "step"):
-    """(eval x, pass@1) and (x, batch reward) of one run; x is the step or the tokens sampled so far."""
+def read(folder: Path):
+    """(eval step, pass@1) and (step, batch reward) of one run."""
     path = folder / "metrics.jsonl"
     if not path.is_file():
         sys.exit(f"plot.py: error: {path}: no such metrics file")
-    evals, rewards, sampled = [], [], {0: 0}
+    evals, rewards = [], []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             record = json.loads(line)
@@ -31,9 +29,6 @@ def read(folder: Path, x: str = "step"):
             evals.append((record["step"], record["eval"]["pass@1"]))
         elif record.get("reward") is not None:
             rewards.append((record["step"], record["reward"]))
-            sampled[record["step"]] = sampled[max(sampled)] + record.get("tokens", 0)
-    if x == "tokens":
-        return [(sampled[s], v) for s, v in evals], [(sampled[s], v) for s, v in rewards]
     return evals, rewards
 
 
@@ -49,7 +44,6 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot pass@1 and reward over steps from metrics.jsonl files.")
     parser.add_argument("--out", required=True, help="the PNG to write")
     parser.add_argument("--title", default="", help="a title over the panels")
-    parser.add_argument("--x", default="step", help="step, tokens, or step,tokens (two columns)")
     parser.add_argument("runs", nargs="+", help="[panel:]label=run_folder")
     args = parser.parse_args(argv)
     try:
@@ -65,22 +59,18 @@ def main(argv=None):
         name, folder = spec.split("=", 1)
         panel, _, label = name.rpartition(":")
         panels.setdefault(panel, []).append((label, Path(folder)))
-    xs = args.x.split(",")
-    if not set(xs) <= {"step", "tokens"}:
-        sys.exit(f"plot.py: error: --x {args.x}: step, tokens or both")
-    cells = [(panel, runs, x) for panel, runs in panels.items() for x in xs]
-    fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     colors = {}  # one colour per label, the same in every panel
-    for ax, (panel, runs, x) in zip(axes[0], cells):
+    for ax, (panel, runs) in zip(axes[0], panels.items()):
         for label, folder in runs:
-            evals, rewards = read(folder, x)
+            evals, rewards = read(folder)
             color = colors.setdefault(label, f"C{len(colors)}")
             ax.plot([s for s, _ in evals], [p for _, p in evals], marker="o", color=color, label=f"{label} pass@1")
             if rewards:
                 smooth = moving_average([r for _, r in rewards])
                 ax.plot([s for s, _ in rewards], smooth, linestyle=":", color=color, label=f"{label} reward")
         ax.set_title(panel)
-        ax.set_xlabel("step" if x == "step" else "completion tokens sampled")
+        ax.set_xlabel("step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
