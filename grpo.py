@@ -118,11 +118,11 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do:
+    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight. It is biased on
-    purpose, because the rephrasings explore. The paper's v5 anchors so: arxiv.org/abs/2601.22478v5.
-    Its code keeps each response's q_j, as --ta-anchor rephrased does: github.com/lhkhiem28/TA-GRPO.
+    So π given q0 learns from samples given q_j, with no importance weight: off-policy and biased
+    on purpose, because the rephrasings explore. The paper's v5 anchors so. Its code keeps each
+    response's own q_j, on-policy, as --ta-anchor rephrased does: github.com/lhkhiem28/TA-GRPO.
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -171,7 +171,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, less
     with λ's 1/|λ|, 2 with GRPO-MA's two parts. A piece of a batch, such as a rank's rows, takes the
-    whole batch's num_rows and num_tokens. Then the pieces' losses add up to the batch's.
+    whole batch's num_rows and num_tokens. Then the pieces' losses add up to the batch's. TRL's
+    bnpo counts one micro-batch's tokens; with the whole batch's counts, as here, it is dapo.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -293,7 +294,7 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     follow the tokens in `cache`, a DynamicCache that grows in place. The mask covers both."""
     # a token's position is the number of real tokens before it: padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # < 5.24: past_key_values
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # 5.23: past_key_values
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
@@ -317,19 +318,18 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
                     logits = lm_head(decoder(token, cache)) for the rest, row r being active[r]"""
-    device, pad = next(model.parameters()).device, tokenizer.pad_token_id
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         return (torch.zeros(0, 0, dtype=torch.long),) * 2 + (torch.zeros(0, dtype=torch.bool),)
-    was_training = model.training
+    device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
-    ids, mask = (x.to(device) for x in left_pad(prompts, pad))
+    ids, mask = (x.to(device) for x in left_pad(prompts, tokenizer.pad_token_id))
     cache = transformers.DynamicCache()
     logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, V)
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
-    cache.reorder_cache(index)  # in place: prompt p's cache now fills rows p·n to p·n + n - 1
+    cache.reorder_cache(index)  # index_select with repeats: prompt p's fills rows p·n..p·n+n-1
     logits, mask = logits[index], mask[index]  # (B, V), (B, L)
     B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
-    out, texts = torch.full((B, max_new_tokens), pad, device=device), [""] * B
+    out, texts = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device), [""] * B
     lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
     active = torch.arange(B, device=device)  # the rows still being decoded
     for t in range(max_new_tokens):
@@ -339,10 +339,10 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # the row's text so far
+        for i, row in enumerate(active.tolist() if stop_strings else []):  # i: place, row: output
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
             ended[i] |= any(s in texts[row] for s in stop_strings)  # a token may overshoot one
-        if ended.any():  # ended rows leave the batch; that copies the cache, so only then
+        if ended.any():  # for speed, ended rows leave the batch; that copies the cache: only then
             active, mask, token = active[~ended], mask[~ended], token[~ended]
             cache.batch_select_indices((~ended).nonzero().squeeze(1))
         if not len(active) or t + 1 == max_new_tokens:
@@ -354,13 +354,13 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
 
 # 4. The rows, and one rollout per variant: it samples and scores this rank's share of a batch and
-# returns (Rows, metrics), a metric being a tensor. A new variant goes in ROLLOUTS and Config.
+# returns (Rows, metrics), a metric being a tensor. A new variant goes in ROLLOUTS and Config. In
+# one process all_reduce returns its input, so a first read can ignore the ranks.
 
 @dataclass
 class Rows:
     """What a rollout hands to update: B completions with their contexts, advantages and token
-    weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J. So a rollout states its whole
-    objective, and update knows no variant. The module docstring says what each variant holds."""
+    weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update knows no variant."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
@@ -413,27 +413,30 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     th_ids, th_mask, _ = generate(model, tokenizer, prompts, K, cfg.max_new_tokens,
                                   cfg.temperature, stop_strings=["</think>"])  # (P·K, C)
     thought_texts = decode(tokenizer, th_ids, th_mask)
+    # as in the table: thought_prompt [0, 0], closed [T, F], answer_thought = answer_prompt [0, 0]
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) each thought's prompt
     closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
-    contexts = [prompts[k // K] + th_ids[k, :th_mask[k].sum()].tolist() for k in answer_thought]
+    answer_prompt = thought_prompt[answer_thought]  # (A,) each answer's prompt
+    contexts = [prompts[p] + th_ids[k, :th_mask[k].sum()].tolist()
+                for p, k in zip(answer_prompt, answer_thought)]  # (A,) prompt + thought
     ans = generate(model, tokenizer, contexts[::M], M, cfg.max_answer_tokens, cfg.temperature)
     before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored with it
-    references = [batch[k // K]["answer"] for k in answer_thought]
+    references = [batch[p]["answer"] for p in answer_prompt]
     rewards = score_batch(tokenizer, ans, references, cfg, before)  # (A,)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
     pad = lambda a, b: torch.nn.utils.rnn.pad_sequence([*a, *b], True).cpu()  # thoughts, answers
     ids, mask = pad(th_ids, ans[0]), pad(th_mask, ans[1])  # (P·K + A, C)
-    answer = torch.arange(len(mask)) >= len(th_ids)  # (P·K + A,) the answers' rows
-    weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
-    if cfg.ma_weighting == "parts":  # each part aggregated alone, with its own length limit
-        weights[~answer] = batch_weights(mask[~answer], cfg.loss_type, cfg.max_new_tokens)
-        weights[answer] = batch_weights(mask[answer], cfg.loss_type, cfg.max_answer_tokens)
+    if cfg.ma_weighting == "parts":  # thoughts and answers aggregated apart, each with its limit
+        weights = pad(batch_weights(th_mask, cfg.loss_type, cfg.max_new_tokens),
+                      batch_weights(ans[1], cfg.loss_type, cfg.max_answer_tokens))
+    else:  # one token mean over both
+        weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
     metrics = dict(reward=rewards, completion_length=ans[1].sum(1).float(), thought_value=values,
-                   frac_reward_zero_std=no_signal(answer_adv, answer_thought // K, len(batch)),
+                   frac_reward_zero_std=no_signal(answer_adv, answer_prompt, len(batch)),
                    unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1))
-    rows = Rows([prompts[k // K] for k in range(len(th_ids))] + contexts, ids, mask,
+    rows = Rows([prompts[p] for p in thought_prompt] + contexts, ids, mask,
                 torch.cat([thought_adv, answer_adv]), weights, torch.cat([values, rewards]))
     return rows, metrics
 
@@ -448,12 +451,13 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
         phrasings += [prompt_ids(tokenizer, cfg, text) for text in [ex["question"]] + drawn]
         question += [p] * (1 + len(drawn))
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
+    # with G = 1 and 2, 0 rephrasings: group [0, 0, 0, 1], phrasing [0, 1, 2, 3], q0 [0, 0, 0, 3]
     group = torch.tensor(question).repeat_interleave(G)  # (B,) each row's question: its group
     phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
     q0 = torch.tensor([question.index(p) for p in question]).repeat_interleave(G)  # (B,) its q0
     rewards = score_batch(tokenizer, s, [batch[p]["answer"] for p in group], cfg)
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
-    anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's is q0, its code's not
+    anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper: q0; its code: q_j
     mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # r0: q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=mask.sum(1).float(), reward_rephrased=rewards[phrasing != q0],
@@ -474,8 +478,7 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
         mask         0  1  1  1  |  1  1  0       the completion right-padded
         predicts             t1  | t2 -           position L-1 predicts completion token 0
 
-    The lm_head runs on chunks of ~2**25 logits, recomputed in the backward pass. So memory does
-    not grow with B · C · vocabulary, and Qwen's vocabulary is 150k."""
+    The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
     width = int(completion_mask.sum(1).max())  # the columns past it hold only padding
     ids, mask = completion_ids[:, :width], completion_mask[:, :width].bool()
     context_ids, context_mask = (x.to(ids.device) for x in left_pad(contexts, 0))
@@ -488,7 +491,7 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
     logps = torch.zeros(completion_ids.shape, device=ids.device)
-    logps[:, :width][mask] = torch.cat([  # under no_grad, checkpoint just calls
+    logps[:, :width][mask] = torch.cat([  # checkpoint: a chunk's logits are not kept for backward
         torch.utils.checkpoint.checkpoint(chunk_logps, h, t, use_reentrant=False)
         for h, t in zip(hidden.split(chunk), ids[mask].split(chunk))])
     return logps
@@ -504,20 +507,21 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     on = lambda x, s: x[s].to(device)
     logps_of = lambda m, s: completion_logps(m, rows.contexts[s], on(rows.completion_ids, s),
                                              on(rows.completion_mask, s), cfg.temperature)
-    with torch.no_grad():  # π_old's log-probs at μ > 1 (at μ = 1, π itself) and the reference's
+    with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
         old = None if mu_1 else [logps_of(model, s) for s in micro]
         ref = [logps_of(ref_model, s) for s in micro] if cfg.beta else None
     totals, grad_norms = {"loss": 0.0}, []
     for _ in range(cfg.num_iterations):
         for j, s in enumerate(micro):
             logps = logps_of(model, s)  # (b, C)
-            loss, metrics = policy_loss(
-                logps, logps.detach() if mu_1 else old[j], on(rows.advantages, s),
-                on(rows.completion_mask, s), on(rows.loss_weights, s), ref and ref[j], cfg.beta,
-                cfg.epsilon, cfg.epsilon_high)
+            old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1, π_old is π: ρ = 1
+            ref_logps = ref[j] if ref else None
+            loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, s),
+                                        on(rows.completion_mask, s), on(rows.loss_weights, s),
+                                        ref_logps, cfg.beta, cfg.epsilon, cfg.epsilon_high)
             loss.backward()
-            totals["loss"] += loss.item()
-            for key, value in metrics.items():  # token means, summed as token totals
+            totals["loss"] += loss.item()  # a piece of -J; the clip fractions and kl are token
+            for key, value in metrics.items():  # means: summed here as token totals, then / all
                 totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[s].sum()
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
@@ -543,7 +547,7 @@ def train(cfg) -> dict:
     evaluation = lambda step: log({"step": step, "eval": evaluate(model, tokenizer, test_examples,
                                                                   cfg, cfg.seed + 12345)})
     P, t0 = cfg.prompts_per_step, time.time()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):  # not AdamW
+    with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):  # matmuls in bf16
         if state is None:
             evaluation(0)
         for step in tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0):
@@ -597,8 +601,8 @@ def show_group(tokenizer, rows: Rows, step: int):
 
 def summary(cfg, wall_s: float) -> dict:
     """Print the first eval against the last, both read from metrics.jsonl, and return them."""
-    lines = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
-    evals = [record["eval"] for record in map(json.loads, lines) if "eval" in record]
+    records = map(json.loads, (Path(cfg.out) / "metrics.jsonl").read_text().splitlines())
+    evals = [record["eval"] for record in records if "eval" in record]
     shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])  # a resume may change n
     line = " | ".join(f"{k} {evals[0].get(k, math.nan):.3f} -> {evals[-1][k]:.3f}" for k in shown)
     print(f"{cfg.variant}: {line} | {wall_s:.0f} s")
@@ -656,15 +660,13 @@ def parse_args(argv=None) -> Config:
     parser = transformers.HfArgumentParser(Config, allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
-    positive = ["num_generations", "prompts_per_step", "max_new_tokens", "num_thoughts", "steps",
-                "num_answers", "max_answer_tokens", "num_rephrasings", "num_iterations", "lr",
-                "micro_batch_size", "eval_samples", "temperature", "max_grad_norm"]
-    for name in positive + ["beta", "warmup_steps", "epsilon", "epsilon_high"]:
-        value = getattr(cfg, name)
-        ok = value is None or (value > 0 if name in positive else value >= 0) and value < math.inf
-        if not ok:
-            raise UserError(f"--{name.replace('_', '-')} {value}: must be "
-                            f"{'>' if name in positive else '>='} 0")
+    zero_ok = ["beta", "epsilon", "epsilon_high", "warmup_steps", "eval_every", "save_every",
+               "log_completions"]  # every other number must be positive; all finite; any seed
+    for name, value in vars(cfg).items():
+        rule = ">=" if name in zero_ok else ">"
+        if type(value) in (int, float) and name != "seed" and not (
+                (value >= 0 if name in zero_ok else value > 0) and value < math.inf):
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be {rule} 0")
     if cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step}: the ranks must divide it")
     if extract_answer(cfg.response_prefix, cfg.answer_from) is not None or (
@@ -692,13 +694,12 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
     return examples
 
 def load_model(path: str, device):
-    """Model and tokenizer from a local folder or the hub; fp32, left padding, a pad token."""
+    """Model and tokenizer from a local folder or the hub, in float32, with a pad token."""
     transformers.utils.logging.disable_progress_bar()  # no bar per weight file
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     return model.to(device), tokenizer
 
 def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
@@ -757,10 +758,9 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
 def setup_ranks() -> torch.device:
     """The device; under torchrun, join the process group: NCCL on GPUs, gloo on CPU."""
     device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    if device.type == "cuda":  # under torchrun, each rank's own GPU
+        torch.cuda.set_device(device := torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
 

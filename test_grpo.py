@@ -1129,7 +1129,7 @@ def test_prepare_builds_a_variant_into_a_folder(tmp_path, capsys):
 
 def test_tiny_tokenizer_and_model_reload(tiny):
     model, tok = tiny
-    assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
+    assert tok.pad_token_id != tok.eos_token_id
     ids = tok("<think>7+8=15 c1</think><answer>85</answer>", add_special_tokens=False).input_ids
     assert len(ids) == 15 and tok.decode(ids) == "<think>7+8=15 c1</think><answer>85</answer>"
     p = grpo.prompt_ids(tok, CFG, "add 47 to 38")
@@ -1894,7 +1894,7 @@ def test_real_prefix_with_a_special_token_name_is_text(qwen):
 
 def test_real_chat_template_with_and_without_a_system_prompt(qwen):
     model, tok = grpo.load_model(str(qwen), torch.device("cpu"))
-    assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
     with_system = tok.decode(grpo.prompt_ids(tok, grpo.Config(system_prompt="be brief"), "12+34="))
     assert with_system == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n12+34=<|im_end|>\n"
                            "<|im_start|>assistant\n")
@@ -1923,7 +1923,6 @@ def qwen25_scripted(tmp_path_factory):
     """Qwen2.5's tokenizer and a model that writes '<think>..</think><answer>..</answer>' (or with '\\n\\n')."""
     import data.prepare as prepare
     tok = prepare.qwen_tokenizer(tmp_path_factory.mktemp("qwen25"), "qwen2.5")
-    tok.padding_side = "left"
     return tok, scripted(tok, {q: a + b + "<|im_end|>" for q, (a, b, _) in QWEN25_THOUGHTS.items()}, eos=QWEN_EOS)
 
 
