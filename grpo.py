@@ -1,6 +1,6 @@
 """grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
-    python grpo.py                  # GRPO on the tiny model in data/: CPU, offline, ~40 s
+    python grpo.py                  # GRPO on the tiny model in data/: CPU, offline, ~1 min
     python grpo.py --variant ma     # or lambda, ta; README.md: real models, torchrun
 
 One GRPO step, as train runs it:
@@ -678,17 +678,17 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def load_jsonl(path, at_least: int = 1) -> list[dict]:
-    """A data file's lines {"question": str, "answer": str, "rephrasings": [str, ...]}, the last
-    optional. A bad line stops the run with its file:line."""
+    """A data file's {"question": str, "answer": str, "rephrasings": [str]} lines, checked."""
     examples = []
     for number, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         try:
-            examples.append(ex := json.loads(line))
+            ex = json.loads(line)
             strings = [ex["question"], ex["answer"]] + ex.setdefault("rephrasings", [])
             if not all(isinstance(s, str) and s.strip() for s in strings):
                 raise ValueError("expected non-empty strings")
         except (ValueError, RecursionError, TypeError, KeyError) as e:  # RecursionError: nesting
             raise UserError(f"{path}:{number}: {e!r}") from None
+        examples.append(ex)
     if len(examples) < at_least:  # the train file: a step's prompts
         raise UserError(f"{path}: {len(examples)} examples, fewer than {at_least}")
     return examples
