@@ -1169,6 +1169,20 @@ def test_short_run_changes_weights_writes_metrics_and_resumes(tmp_path):
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]  # older checkpoints are removed
 
 
+def test_gradient_checkpointing_gives_the_same_run(tmp_path):
+    """--gradient-checkpointing recomputes activations in the backward pass: the same run to float32 rounding,
+    with β > 0 (a reference pass) and μ = 2 (an old-policy pass)."""
+    runs = []
+    for i, flags in enumerate([[], ["--gradient-checkpointing"]]):
+        grpo.main(SMALL + ["--out", str(tmp_path / str(i)), "--steps", "3", "--beta", "0.04"] + flags)
+        runs.append([json.loads(l) for l in (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()])
+    for a, b in zip(*runs):
+        assert a.keys() == b.keys() and a.get("eval") == b.get("eval")
+        for key in ("loss", "kl", "grad_norm", "reward"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def test_seeded_run_raises_held_out_accuracy(tmp_path):
     summary = grpo.main(["--out", str(tmp_path / "run"), "--steps", "60", "--test-data",
                          small_test_data(tmp_path, 100), "--eval-samples", "4", "--seed", "1"])
