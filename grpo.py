@@ -50,8 +50,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
-# 1. The schemes and the loss, on plain tensors. This section needs only math and torch: paste it
-# alone into a file and its examples run. In your own trainer, with log-probs (B, C) of the
+# 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
+# pastes alone into a file and its examples run. In your own trainer, with log-probs (B, C) of the
 # sampled tokens under π, π_old and the reference:
 #     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(ids, mask, G)
@@ -70,7 +70,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     The eps makes 0.5 read 0.4999. A group of equal rewards gets exactly 0, not float noise / eps.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group
-    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n
+    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # sums by id, so sizes may differ
     adv = rewards - mean[groups]
     if scale == "group":
         var = torch.zeros_like(n).index_add(0, groups, adv ** 2) / (n - 1)
@@ -218,13 +218,13 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
         metrics["kl"] = (kl * mask).sum().detach() / n
-    with torch.no_grad():  # where the clip binds: ρ left the range in A's direction
+    with torch.no_grad():  # the clip binds where ρ left the range in A's direction
         metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum() / n
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
-# 2. The reward. It is strict by being narrow: what it cannot read is a miss, never a guess, since
-# the policy is trained toward a false positive. Model output is text: it is read, never run.
+# 2. The reward. It is strict by being narrow. What it cannot read is a miss, never a guess,
+# because the policy would be trained toward a false positive. Model output is read, never run.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
 
@@ -244,7 +244,7 @@ def score(text: str, reference: str, finished: bool, answer_from: str = "tags") 
         return float(verify(parse(f"${reference}$"), parse(f"${answer}$")))
     plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1", re.sub(r"\s|\\?\$", "", s).rstrip("."))
     num = lambda s: Fraction(s.replace(",", "")) if NUMBER_RE.fullmatch(s) and len(s) < 99 else None
-    a, ref = plain(answer).strip("*"), plain(reference)  # strip: markdown's bold
+    a, ref = plain(answer).strip("*"), plain(reference)  # * is markdown's bold
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def extract_answer(text: str, answer_from: str = "tags"):
@@ -258,7 +258,7 @@ def extract_answer(text: str, answer_from: str = "tags"):
         prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in word)
         before = words[at[-1] - 1] if at and at[-1] else ""
         if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
-            return None  # a sign, a relation or an operator beside it: '- 8', 'x ≥ 8', '8 - x'
+            return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
         return words[at[-1]].rstrip(PROSE).lstrip("'\"*")
     start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
     return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
@@ -271,7 +271,7 @@ def score_batch(tokenizer, samples, references, cfg, before=None):
     return torch.tensor([score(b + text, reference, done, cfg.answer_from) for b, text, reference,
                          done in zip(before, texts, references, samples[2].tolist())])
 
-# 3. The sampler: each prompt is encoded once and its KV cache copied to its n rows. It assumes
+# 3. The sampler. Each prompt is encoded once, and its KV cache is copied to its n rows. It assumes
 # HF's decoder layout, model.model then model.lm_head (Qwen2/3, Llama), and transformers >= 5.24.
 
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
@@ -290,11 +290,11 @@ def left_pad(seqs: list[list[int]], pad_id: int):
     return pad(seqs, pad_id), pad([[1] * len(s) for s in seqs], 0)
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder's last hidden states, B by S by H, for S new tokens, before the lm_head. They
-    follow the tokens in `cache`, a DynamicCache that grows in place. The mask covers both."""
-    # a token's position is the number of real tokens before it: padding takes no place
+    """The decoder's last hidden states, B by S by H, for S new tokens after those in `cache`.
+    The caller applies the lm_head only where it needs logits. The mask covers the cache too."""
+    # a token's position is the number of real tokens before it, so padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # 5.23: past_key_values
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # <5.24 past_key_values
                       position_ids=position_ids, use_cache=cache is not None, cache=cache)
     return out.last_hidden_state
 
@@ -326,7 +326,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     cache = transformers.DynamicCache()
     logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, V)
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
-    cache.reorder_cache(index)  # index_select with repeats: prompt p's fills rows p·n..p·n+n-1
+    cache.reorder_cache(index)  # an index_select with repeats, so prompt p fills rows p·n..p·n+n-1
     logits, mask = logits[index], mask[index]  # (B, V), (B, L)
     B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
     out, texts = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device), [""] * B
@@ -335,14 +335,14 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     for t in range(max_new_tokens):
         token = logits.argmax(-1) if greedy else torch.multinomial(
             (logits / temperature).softmax(-1), 1).squeeze(-1)
-        out[active, t] = token  # token, ended: (len(active),), one per row still decoded
+        out[active, t] = token  # token and ended hold one entry per row still decoded
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # i: place, row: output
+        for i, row in enumerate(active.tolist() if stop_strings else []):  # row i is out's row
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
             ended[i] |= any(s in texts[row] for s in stop_strings)  # a token may overshoot one
-        if ended.any():  # for speed, ended rows leave the batch; that copies the cache: only then
+        if ended.any():  # optional, for speed: ended rows leave the batch and the cache
             active, mask, token = active[~ended], mask[~ended], token[~ended]
             cache.batch_select_indices((~ended).nonzero().squeeze(1))
         if not len(active) or t + 1 == max_new_tokens:
@@ -353,7 +353,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     C = int(lengths.max())
     return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
 
-# 4. The rows, and one rollout per variant: it samples and scores this rank's share of a batch and
+# 4. The rows, and one rollout per variant. It samples and scores this rank's share of a batch and
 # returns (Rows, metrics), a metric being a tensor. A new variant goes in ROLLOUTS and Config. In
 # one process all_reduce returns its input, so a first read can ignore the ranks.
 
@@ -361,7 +361,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 class Rows:
     """What a rollout hands to update: B completions with their contexts, advantages and token
     weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update knows no variant."""
-    contexts: list[list[int]]      # B lists of token ids: what each completion continues
+    contexts: list[list[int]]      # B lists of token ids, each what its completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row, or (B, C) one per token, 0 off the mask
@@ -413,13 +413,13 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     th_ids, th_mask, _ = generate(model, tokenizer, prompts, K, cfg.max_new_tokens,
                                   cfg.temperature, stop_strings=["</think>"])  # (P·K, C)
     thought_texts = decode(tokenizer, th_ids, th_mask)
-    # as in the table: thought_prompt [0, 0], closed [T, F], answer_thought = answer_prompt [0, 0]
+    # P = K = M = 2, closed [T F T T]: answer_thought [0 0 2 2 3 3], answer_prompt [0 0 1 1 1 1]
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) each thought's prompt
     closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
     answer_prompt = thought_prompt[answer_thought]  # (A,) each answer's prompt
     contexts = [prompts[p] + th_ids[k, :th_mask[k].sum()].tolist()
-                for p, k in zip(answer_prompt, answer_thought)]  # (A,) prompt + thought
+                for p, k in zip(answer_prompt, answer_thought)]  # (A,) a thought's M in a row
     ans = generate(model, tokenizer, contexts[::M], M, cfg.max_answer_tokens, cfg.temperature)
     before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored with it
     references = [batch[p]["answer"] for p in answer_prompt]
@@ -445,20 +445,20 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
     Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    phrasings, question = [], []  # per phrasing: its ids and its question's index; q0 comes first
+    phrasings, question_of = [], []  # each phrasing's ids and question; a question's q0 first
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
         phrasings += [prompt_ids(tokenizer, cfg, text) for text in [ex["question"]] + drawn]
-        question += [p] * (1 + len(drawn))
+        question_of += [p] * (1 + len(drawn))
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    # with G = 1 and 2, 0 rephrasings: group [0, 0, 0, 1], phrasing [0, 1, 2, 3], q0 [0, 0, 0, 3]
-    group = torch.tensor(question).repeat_interleave(G)  # (B,) each row's question: its group
+    # G = 1, 2 rephrasings of question 0, 0 of 1: phrasing [0 1 2 3], group [0 0 0 1], q0 [0 0 0 3]
+    group = torch.tensor(question_of).repeat_interleave(G)  # (B,) each row's question
     phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
-    q0 = torch.tensor([question.index(p) for p in question]).repeat_interleave(G)  # (B,) its q0
+    q0 = torch.tensor([question_of.index(p) for p in question_of]).repeat_interleave(G)  # (B,)
     rewards = score_batch(tokenizer, s, [batch[p]["answer"] for p in group], cfg)
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
-    anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper: q0; its code: q_j
-    mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # r0: q0's own G rewards, as GRPO's
+    anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's q0, or its code's q_j
+    mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=mask.sum(1).float(), reward_rephrased=rewards[phrasing != q0],
                    frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
@@ -491,7 +491,7 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
     logps = torch.zeros(completion_ids.shape, device=ids.device)
-    logps[:, :width][mask] = torch.cat([  # checkpoint: a chunk's logits are not kept for backward
+    logps[:, :width][mask] = torch.cat([  # checkpointed, so no chunk's logits wait for backward
         torch.utils.checkpoint.checkpoint(chunk_logps, h, t, use_reentrant=False)
         for h, t in zip(hidden.split(chunk), ids[mask].split(chunk))])
     return logps
@@ -514,14 +514,14 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     for _ in range(cfg.num_iterations):
         for j, s in enumerate(micro):
             logps = logps_of(model, s)  # (b, C)
-            old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1, π_old is π: ρ = 1
+            old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
             ref_logps = ref[j] if ref else None
             loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, s),
                                         on(rows.completion_mask, s), on(rows.loss_weights, s),
                                         ref_logps, cfg.beta, cfg.epsilon, cfg.epsilon_high)
             loss.backward()
-            totals["loss"] += loss.item()  # a piece of -J; the clip fractions and kl are token
-            for key, value in metrics.items():  # means: summed here as token totals, then / all
+            totals["loss"] += loss.item()  # a piece of -J, so the pieces add up
+            for key, value in metrics.items():  # token means, so add token totals, / all tokens
                 totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[s].sum()
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
@@ -552,10 +552,10 @@ def train(cfg) -> dict:
             evaluation(0)
         for step in tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0):
             t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
-            # the step's P prompts and this rank's share, then its seed: a resume draws the same
-            batch = random.Random(cfg.seed * 1_000_003 + step).sample(examples, P)
-            batch = batch[rank * P // W:(rank + 1) * P // W]
-            torch.manual_seed(cfg.seed * 1_000_003 + step * W + rank)
+            # the step's seed draws its P prompts, so a resume draws the same; ranks split them
+            seed = cfg.seed * 1_000_003 + step
+            batch = random.Random(seed).sample(examples, P)[rank * P // W:(rank + 1) * P // W]
+            torch.manual_seed(seed * W + rank)  # and each rank samples its own completions
             rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
             metrics = mean_over_ranks(metrics) | update(model, ref_model, optimizer, rows, cfg)
             scheduler.step()
@@ -608,8 +608,8 @@ def summary(cfg, wall_s: float) -> dict:
     print(f"{cfg.variant}: {line} | {wall_s:.0f} s")
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
-# 7. Plumbing: flags, data, models, the run folder and checkpoints, the ranks. Bad input stops the
-# run with one line that names it.
+# 7. The plumbing of flags, data, models, the run folder, checkpoints and ranks. Bad input stops
+# the run with one line that names it.
 
 @dataclass
 class Config:
@@ -617,10 +617,10 @@ class Config:
     model: str = str(Path(__file__).parent / "data/tiny")  # a local folder or a hub name
     data: str = str(Path(__file__).parent / "data/train.jsonl")  # see load_jsonl
     test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval
-    system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '': none
-    response_prefix: str = ""  # what the reply starts with, such as <think>: part of the prompt
+    system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '' for none
+    response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
     variant: Literal["grpo", "ma", "ta", "lambda"] = "grpo"
-    num_generations: int = 8  # G: completions per prompt, or per phrasing under ta
+    num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
     prompts_per_step: int = 16  # P, over all ranks
     max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
     temperature: float = 1.0  # of the sampling, and so of the log-probs
@@ -631,22 +631,22 @@ class Config:
     num_rephrasings: int = 3  # N (ta), drawn afresh each step
     ta_anchor: Literal["original", "rephrased"] = "original"  # (ta) log-probs given q0, or not
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"  # the aggregation w, as TRL's
-    scale_rewards: Literal["group", "none"] = "group"  # divide A by the std; none: Dr. GRPO
+    scale_rewards: Literal["group", "none"] = "group"  # divide A by the std; none as Dr. GRPO
     beta: float = 0.0  # the k3 KL's coefficient; a reference is loaded only when > 0
     epsilon: float = 0.2  # the clip range, and its upper side unless epsilon_high is given
     epsilon_high: float | None = None  # DAPO's is 0.28
-    num_iterations: int = 1  # μ: updates per sampled batch
+    num_iterations: int = 1  # μ, updates per sampled batch
     answer_from: Literal["tags", "last-number", "math-verify"] = "tags"  # see score()
     lr: float = 2e-4  # AdamW's; ~1e-6 for real models
     warmup_steps: int = 10  # linear warmup, then constant
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # rows per forward and backward pass of the update
     steps: int = 100
-    eval_every: int = 50  # 0: at the start and the end only
+    eval_every: int = 50  # 0 for the start and the end only
     eval_samples: int = 8  # n per held-out question, for pass@1..n
-    log_completions: int = 25  # print a group as text every N steps; 0: never
-    save_every: int = 50  # 0: at the end only
-    out: str = "out"  # the run folder: metrics.jsonl and the latest checkpoint
+    log_completions: int = 25  # print a group as text every N steps; 0 for never
+    save_every: int = 50  # 0 for the end only
+    out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
     resume: bool = False  # continue the run in --out from its checkpoint, or start it
     overwrite: bool = False  # replace a run in --out, which without it or --resume stops
     seed: int = 0
@@ -686,10 +686,10 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
             strings = [ex["question"], ex["answer"]] + ex.setdefault("rephrasings", [])
             if not all(isinstance(s, str) and s.strip() for s in strings):
                 raise ValueError("expected non-empty strings")
-        except (ValueError, RecursionError, TypeError, KeyError) as e:  # RecursionError: nesting
+        except (ValueError, RecursionError, TypeError, KeyError) as e:  # deep nesting recurses
             raise UserError(f"{path}:{number}: {e!r}") from None
         examples.append(ex)
-    if len(examples) < at_least:  # the train file: a step's prompts
+    if len(examples) < at_least:  # the train file needs a step's prompts
         raise UserError(f"{path}: {len(examples)} examples, fewer than {at_least}")
     return examples
 
@@ -698,7 +698,7 @@ def load_model(path: str, device):
     transformers.utils.logging.disable_progress_bar()  # no bar per weight file
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if tokenizer.pad_token is None:  # Llama: pad with eos; the completion mask never relies on pad
+    if tokenizer.pad_token is None:  # as Llama's; no mask is ever made from the pad id
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
 
@@ -728,7 +728,7 @@ def open_run(cfg: Config):
     if held and not (cfg.resume or cfg.overwrite) and rank == 0:  # others may see rank 0's new log
         raise UserError(f"--out {out} already holds a run ({', '.join(p.name for p in held)}); "
                         f"continue it with --resume or replace it with --overwrite")
-    checkpoint = saved[-1] if cfg.resume and saved else None  # not a .tmp: a save that died
+    checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", weights_only=True) if checkpoint else None
     if rank != 0:
         return checkpoint, state, lambda record: None
@@ -793,7 +793,7 @@ def main(argv=None):
     """The command line: bad flags, files or data stop with one line that names them."""
     try:
         return train(parse_args(argv))
-    except (UserError, OSError) as e:  # OSError: a missing file or model, an --out not writable
+    except (UserError, OSError) as e:  # OSError for a missing file or model, an unwritable --out
         sys.exit(f"grpo.py: error: {e}")
 
 if __name__ == "__main__":
