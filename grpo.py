@@ -32,9 +32,9 @@ The variants change what a row holds: its context, its advantage A and its token
     ta      q0 and N rephrasings, G samples each; A over all (N+1)·G  TA-GRPO, arXiv 2601.22478
             of q0; every context is q0's prompt
 
-Simplified: one process samples with a short KV-cache loop and trains. Its own forward pass gives
-π_old. The reward reads one number or compares text. No LoRA: the reference is a full copy.
-GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
+Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
+trainer's forward pass. The reward reads one number or compares text. No LoRA: the reference is a
+full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
 Sections 1 to 6 are the algorithm; 7 is plumbing.
 """
 
@@ -69,8 +69,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
 
     The eps makes 0.5 read 0.4999. A group of equal rewards gets exactly 0, not float noise / eps.
     """
-    n = torch.bincount(groups).to(rewards.dtype)  # rows per group
-    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # sums by id, so sizes may differ
+    n = torch.bincount(groups).to(rewards.dtype)  # rows per group: GRPO-MA's groups are ragged
+    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sum by id, not by view
     adv = rewards - mean[groups]
     if scale == "group":
         var = torch.zeros_like(n).index_add(0, groups, adv ** 2) / (n - 1)
@@ -120,9 +120,9 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight: off-policy and biased
-    on purpose, because the rephrasings explore. The paper's v5 anchors so. Its code keeps each
-    response's own q_j, on-policy, as --ta-anchor rephrased does: github.com/lhkhiem28/TA-GRPO.
+    So π given q0 learns from samples given q_j, and no importance weight corrects for that. This
+    is off-policy on purpose, as in the paper's v5, because the rephrasings explore. Its code
+    conditions on each response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO.
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -169,10 +169,10 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     tensor([[0.2500, 0.2500, 0.0000, 0.0000],
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
-    Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, less
-    with λ's 1/|λ|, 2 with GRPO-MA's two parts. A piece of a batch, such as a rank's rows, takes the
-    whole batch's num_rows and num_tokens. Then the pieces' losses add up to the batch's. TRL's
-    bnpo counts one micro-batch's tokens; with the whole batch's counts, as here, it is dapo.
+    Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo. They
+    sum to less under λ-GRPO and to 2 with GRPO-MA's two parts. A rank's rows take the counts of
+    the whole batch, so the ranks' losses add up to the batch's. TRL's bnpo counts the tokens of
+    one micro-batch. With the whole batch's counts, as here, bnpo is dapo.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -294,8 +294,8 @@ def run_decoder(model, input_ids, attention_mask, cache=None):
     The caller applies the lm_head only where it needs logits. The mask covers the cache too."""
     # a token's position is the number of real tokens before it, so padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask,  # <5.24 past_key_values
-                      position_ids=position_ids, use_cache=cache is not None, cache=cache)
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=cache is not None, cache=cache)  # past_key_values= before 5.24
     return out.last_hidden_state
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -341,7 +341,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         finished[active[ended]] = True
         for i, row in enumerate(active.tolist() if stop_strings else []):  # row i is out's row
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
-            ended[i] |= any(s in texts[row] for s in stop_strings)  # a token may overshoot one
+            ended[i] |= any(s in texts[row] for s in stop_strings)  # what follows it stays
         if ended.any():  # optional, for speed: ended rows leave the batch and the cache
             active, mask, token = active[~ended], mask[~ended], token[~ended]
             cache.batch_select_indices((~ended).nonzero().squeeze(1))
@@ -413,14 +413,14 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     th_ids, th_mask, _ = generate(model, tokenizer, prompts, K, cfg.max_new_tokens,
                                   cfg.temperature, stop_strings=["</think>"])  # (P·K, C)
     thought_texts = decode(tokenizer, th_ids, th_mask)
-    # P = K = M = 2, closed [T F T T]: answer_thought [0 0 2 2 3 3], answer_prompt [0 0 1 1 1 1]
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) each thought's prompt
     closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
+    contexts = [prompts[p] + th_ids[k, :th_mask[k].sum()].tolist()  # one per closed thought
+                for k, p in enumerate(thought_prompt.tolist()) if closed[k]]
+    ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)  # (A, C)
+    # P = K = M = 2, closed [T F T T]: answer_thought [0 0 2 2 3 3], answer_prompt [0 0 1 1 1 1]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
     answer_prompt = thought_prompt[answer_thought]  # (A,) each answer's prompt
-    contexts = [prompts[p] + th_ids[k, :th_mask[k].sum()].tolist()
-                for p, k in zip(answer_prompt, answer_thought)]  # (A,) a thought's M in a row
-    ans = generate(model, tokenizer, contexts[::M], M, cfg.max_answer_tokens, cfg.temperature)
     before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored with it
     references = [batch[p]["answer"] for p in answer_prompt]
     rewards = score_batch(tokenizer, ans, references, cfg, before)  # (A,)
@@ -436,8 +436,9 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     metrics = dict(reward=rewards, completion_length=ans[1].sum(1).float(), thought_value=values,
                    frac_reward_zero_std=no_signal(answer_adv, answer_prompt, len(batch)),
                    unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1))
-    rows = Rows([prompts[p] for p in thought_prompt] + contexts, ids, mask,
-                torch.cat([thought_adv, answer_adv]), weights, torch.cat([values, rewards]))
+    row_contexts = [prompts[p] for p in thought_prompt] + [c for c in contexts for _ in range(M)]
+    rows = Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
+                torch.cat([values, rewards]))
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
@@ -445,16 +446,16 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
     Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    phrasings, question_of = [], []  # each phrasing's ids and question; a question's q0 first
+    phrasings, question_of, q0_of = [], [], []  # for each phrasing: ids, question, q0's phrasing
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
+        q0_of += [len(phrasings)] * (1 + len(drawn))  # q0 is the first of p's phrasings
         phrasings += [prompt_ids(tokenizer, cfg, text) for text in [ex["question"]] + drawn]
         question_of += [p] * (1 + len(drawn))
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    # G = 1, 2 rephrasings of question 0, 0 of 1: phrasing [0 1 2 3], group [0 0 0 1], q0 [0 0 0 3]
     group = torch.tensor(question_of).repeat_interleave(G)  # (B,) each row's question
     phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
-    q0 = torch.tensor([question_of.index(p) for p in question_of]).repeat_interleave(G)  # (B,)
+    q0 = torch.tensor(q0_of).repeat_interleave(G)  # (B,) the phrasing of its question's q0
     rewards = score_batch(tokenizer, s, [batch[p]["answer"] for p in group], cfg)
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
     anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's q0, or its code's q_j
@@ -508,17 +509,16 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     logps_of = lambda m, s: completion_logps(m, rows.contexts[s], on(rows.completion_ids, s),
                                              on(rows.completion_mask, s), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
-        old = None if mu_1 else [logps_of(model, s) for s in micro]
-        ref = [logps_of(ref_model, s) for s in micro] if cfg.beta else None
+        old = [None if mu_1 else logps_of(model, s) for s in micro]
+        ref = [logps_of(ref_model, s) if cfg.beta else None for s in micro]
     totals, grad_norms = {"loss": 0.0}, []
     for _ in range(cfg.num_iterations):
         for j, s in enumerate(micro):
             logps = logps_of(model, s)  # (b, C)
             old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
-            ref_logps = ref[j] if ref else None
             loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, s),
                                         on(rows.completion_mask, s), on(rows.loss_weights, s),
-                                        ref_logps, cfg.beta, cfg.epsilon, cfg.epsilon_high)
+                                        ref[j], cfg.beta, cfg.epsilon, cfg.epsilon_high)
             loss.backward()
             totals["loss"] += loss.item()  # a piece of -J, so the pieces add up
             for key, value in metrics.items():  # token means, so add token totals, / all tokens
