@@ -38,8 +38,6 @@ full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come 
 Sections 1 to 6 are the algorithm; 7 is plumbing.
 """
 
-from __future__ import annotations
-
 import importlib.util, json, math, os, random, re, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -99,8 +97,7 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, also take rollout_ma's rows. An answer's context is its prompt, then its
-    thought. Thoughts and answers are two loss parts, each aggregated alone.
+    To copy GRPO-MA, also take rollout_ma's rows and its two loss parts.
     """
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
@@ -227,6 +224,8 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # because the policy would be trained toward a false positive. Model output is read, never run.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
+BOX = r"\s*(\\boxed\{[^{}]*\})\s*"  # Qwen2.5 writes \[ \boxed{8} \], \( \boxed{8} \) or $\boxed{8}$
+MATH_BOX_RE = re.compile(rf"\\\[{BOX}\\\]|\\\({BOX}\\\)|\${BOX}\$")
 
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
@@ -252,6 +251,7 @@ def extract_answer(text: str, answer_from: str = "tags"):
     if "<think>" in text and "</think>" not in text:
         return None
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
+    text = MATH_BOX_RE.sub(r" \1\2\3 ", text)  # a delimited \boxed{} stands as a word of its own
     if answer_from == "last-number":
         words = re.sub(r"</?(?:think|answer)>", " ", text).split()  # the tags are spaces here
         at = [i for i, word in enumerate(words) if re.search("[0-9]", word)]
@@ -271,8 +271,7 @@ def score_batch(tokenizer, samples, references, cfg, before=None):
     return torch.tensor([score(b + text, reference, done, cfg.answer_from) for b, text, reference,
                          done in zip(before, texts, references, samples[2].tolist())])
 
-# 3. The sampler. Each prompt is encoded once, and its KV cache is copied to its n rows. It assumes
-# HF's decoder layout, model.model then model.lm_head (Qwen2/3, Llama), and transformers >= 5.24.
+# 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).
 
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     """The ids of a question in the chat template, then of --response-prefix. The prefix is plain
@@ -353,9 +352,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     C = int(lengths.max())
     return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
 
-# 4. The rows, and one rollout per variant. It samples and scores this rank's share of a batch and
-# returns (Rows, metrics), a metric being a tensor. A new variant goes in ROLLOUTS and Config. In
-# one process all_reduce returns its input, so a first read can ignore the ranks.
+# 4. The rows, and one rollout per variant: it samples and scores this rank's share of a batch,
+# and returns (Rows, metrics). In one process all_reduce returns its input: ignore the ranks.
 
 @dataclass
 class Rows:
@@ -504,10 +502,12 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     gradients, and sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
     of progress, so watch the reward. The test test_update_works_one_grpo_step_by_hand checks it."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
-    micro = [slice(i, i + b) for i in range(0, len(rows.contexts), b)]  # b rows each
+    # rows sorted by length pad less, and the order changes no sum, as w are shares of the batch
+    lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
+    micro = lengths.argsort(stable=True).split(b)  # b row indices each
     on = lambda x, s: x[s].to(device)
-    logps_of = lambda m, s: completion_logps(m, rows.contexts[s], on(rows.completion_ids, s),
-                                             on(rows.completion_mask, s), cfg.temperature)
+    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(
+        rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
         old = [None if mu_1 else logps_of(model, s) for s in micro]
         ref = [logps_of(ref_model, s) if cfg.beta else None for s in micro]
@@ -529,6 +529,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             raise UserError(f"the gradient norm is {grad_norms[-1]:.0f}: no update; lower --lr")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        torch.clear_autocast_cache()  # autocast's bf16 copies of the weights are stale now
     *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])
     means = {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
              for k, v in zip(totals, sums)}
@@ -541,13 +542,17 @@ def train(cfg) -> dict:
     draw the batch and a seed, roll out, update and log; eval and save when due. Rank 0 returns
     the summary: the first eval and the last."""
     device, (rank, W) = setup_ranks(), rank_and_world()
-    examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
+    examples = load_jsonl(cfg.data, cfg.prompts_per_step)
+    test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
-    model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state)
+    bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state,
+                                                                 bf16)
+    print(f"grpo.py: {device}, weights {model.dtype}, autocast {'bf16' if bf16 else 'off'}")
     evaluation = lambda step: log({"step": step, "eval": evaluate(model, tokenizer, test_examples,
                                                                   cfg, cfg.seed + 12345)})
     P, t0 = cfg.prompts_per_step, time.time()
-    with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):  # matmuls in bf16
+    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):  # matmuls in bf16 if on
         if state is None:
             evaluation(0)
         for step in tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0):
@@ -566,17 +571,20 @@ def train(cfg) -> dict:
                 evaluation(step + 1)
             if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
                 save_checkpoint(cfg, step + 1, model, tokenizer, optimizer, scheduler)
+    if W > 1:
+        torch.distributed.destroy_process_group()
     return summary(cfg, time.time() - t0) if rank == 0 else None
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int, max_rows: int = 512) -> dict:
-    """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n. The n = --eval-samples
-    samples per held-out question are at the training temperature. Chunk c of max_rows samples is
-    seeded with seed + c and sampled by rank c % W. GRPO-MA's eval samples plain completions."""
+def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
+    """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
+    samples a question at the training temperature. Chunk c of --eval-batch-size rows is seeded
+    with seed + c and sampled by rank c % W. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    size, greedy, pass_k = max(1, max_rows // n), 0.0, [0.0] * n  # sums over this rank's chunks
-    for c, start in list(enumerate(range(0, len(examples), size)))[rank::W]:
+    size, greedy, pass_k = max(1, cfg.eval_batch_size // n), 0.0, [0.0] * n  # this rank's sums
+    chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
+    for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
         torch.manual_seed(seed + c)
         chunk = examples[start:start + size]
         prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
@@ -644,6 +652,8 @@ class Config:
     steps: int = 100
     eval_every: int = 50  # 0 for the start and the end only
     eval_samples: int = 8  # n per held-out question, for pass@1..n
+    eval_limit: int = 0  # the eval's questions: the first N of --test-data; 0 for all
+    eval_batch_size: int = 512  # rows the eval samples at once
     log_completions: int = 25  # print a group as text every N steps; 0 for never
     save_every: int = 50  # 0 for the end only
     out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
@@ -651,6 +661,7 @@ class Config:
     overwrite: bool = False  # replace a run in --out, which without it or --resume stops
     seed: int = 0
     gradient_checkpointing: bool = False  # less activation memory for more compute
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -661,7 +672,7 @@ def parse_args(argv=None) -> Config:
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
     zero_ok = ["beta", "epsilon", "epsilon_high", "warmup_steps", "eval_every", "save_every",
-               "log_completions"]  # every other number must be positive; all finite; any seed
+               "log_completions", "eval_limit"]  # every other number must be > 0; any seed
     for name, value in vars(cfg).items():
         rule = ">=" if name in zero_ok else ">"
         if type(value) in (int, float) and name != "seed" and not (
@@ -693,19 +704,21 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
         raise UserError(f"{path}: {len(examples)} examples, fewer than {at_least}")
     return examples
 
-def load_model(path: str, device):
-    """Model and tokenizer from a local folder or the hub, in float32, with a pad token."""
+def load_model(path: str, device, dtype=torch.float32):
+    """Model and tokenizer from a local folder or the hub, with a pad token."""
     transformers.utils.logging.disable_progress_bar()  # no bar per weight file
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if tokenizer.pad_token is None:  # as Llama's; no mask is ever made from the pad id
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
 
-def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
-    """The policy, from the checkpoint if any; the reference if β > 0; AdamW and the schedule."""
+def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, bf16: bool):
+    """The policy in float32, from the checkpoint if any; the reference if β > 0; AdamW and the
+    schedule. The reference is never trained, so under autocast its weights need only bf16."""
     model, tokenizer = load_model(str(checkpoint or cfg.model), device)
-    ref_model = load_model(cfg.model, device)[0].eval().requires_grad_(False) if cfg.beta else None
+    dtype = torch.bfloat16 if bf16 else torch.float32  # from_pretrained returns it in eval mode
+    ref_model = load_model(cfg.model, device, dtype)[0].requires_grad_(False) if cfg.beta else None
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5's gradient checkpointing
     model.train()
@@ -713,15 +726,14 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None):
     warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state.pop("optimizer"))  # popped, so its copy is freed
         scheduler.load_state_dict(state["scheduler"])
     return model, tokenizer, ref_model, optimizer, scheduler
 
 def open_run(cfg: Config):
-    """Returns the checkpoint, its state, and log: it appends to metrics.jsonl on rank 0. A folder
-    that holds a run is continued with --resume or replaced with --overwrite, never reused. A
-    resume takes the latest checkpoint. Its state.pt loads with weights_only, so no code runs.
-    The log is cut back to the checkpoint, so the steps a resume redoes are not there twice."""
+    """The latest checkpoint, its state and log(), which appends to metrics.jsonl on rank 0. A run's
+    folder is only continued (--resume) or replaced (--overwrite). state.pt loads with weights_only,
+    so no code runs. The log is cut back to the checkpoint, so a step a resume redoes is in once."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
@@ -729,7 +741,7 @@ def open_run(cfg: Config):
         raise UserError(f"--out {out} already holds a run ({', '.join(p.name for p in held)}); "
                         f"continue it with --resume or replace it with --overwrite")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
-    state = torch.load(checkpoint / "state.pt", weights_only=True) if checkpoint else None
+    state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
     if rank != 0:
         return checkpoint, state, lambda record: None
     for path in [] if checkpoint else held:  # a fresh run replaces an old one
@@ -754,6 +766,8 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         os.replace(tmp, final)
         for old in set(out.glob("checkpoint-*")) - {final}:
             shutil.rmtree(old)
+    if torch.distributed.is_initialized():  # no rank runs on, or exits, while rank 0 writes
+        torch.distributed.barrier()
 
 def setup_ranks() -> torch.device:
     """The device; under torchrun, join the process group: NCCL on GPUs, gloo on CPU."""

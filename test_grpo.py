@@ -391,6 +391,27 @@ def test_score_last_number_mode(text, reward):
     assert grpo.score(text, "8", True, answer_from="last-number") == reward
 
 
+WRAPPINGS = ["\\({}\\)", "\\[ {} \\]", "\\[\n{}\n\\]", "${}$", "$ {} $"]  # Qwen2.5's math delimiters
+
+
+@pytest.mark.parametrize("wrapping", WRAPPINGS)
+def test_math_delimiters_around_one_box_are_read_and_nothing_more(wrapping):
+    """\\( \\), \\[ \\] and $ $ around one \\boxed{} are read in both modes; every false-positive case of the
+    tables above still scores 0 inside them; a delimiter around more than the box, or a mismatched pair, is not
+    read."""
+    box = wrapping.format("\\boxed{18}")
+    assert grpo.score(f"So she has {box}.", "18", True, "last-number") == 1.0
+    assert grpo.score(f"<answer>{box}</answer>", "18", True) == 1.0
+    for text in (wrapping.format("2 + \\boxed{18}"), wrapping.format("\\boxed{18} eggs"), "\\(\\boxed{18}\\]"):
+        assert grpo.score(f"so {text}", "18", True, "last-number") == 0.0, text
+    cases = (NOT_THE_NUMBER + EXPRESSIONS + [(b, a) for a, b in EXPRESSIONS] + NOW_MISSES
+             + [(a, r) for a, r, reward in GRADER_CASES if reward == 0])
+    for answer, reference in cases:
+        box = wrapping.format("\\boxed{" + answer + "}")
+        assert grpo.score(f"so {box}", reference, True, "last-number") == 0.0, (box, reference)
+        assert grpo.score(f"<answer>{box}</answer>", reference, True) == 0.0, (box, reference)
+
+
 def test_score_batch_scores_each_text_after_its_prefix(tiny):
     tok = tiny[1]
     texts = ["<answer>8</answer>", "8", "<think>x</think><answer>8</answer>", "<think><answer>8</answer></think>"]
@@ -831,7 +852,7 @@ def test_lambda_update_divides_each_token_term_by_lambda(tiny):
     ids, mask = encode(tok, ["<answer>12</answer>", "<answer>13</answer>", "<answer>1</answer>", "12"])
     inv_lambda = trie_weights(ids, mask, 4)
     assert (inv_lambda[mask.bool()] < 1).any()
-    tokens = mask.sum()
+    tokens = mask.sum().item()
     for per_token in (inv_lambda, mask):
         rows = make_rows([prompt] * 4, ids, mask, advantages, mask / tokens * per_token)
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -947,7 +968,7 @@ EVAL_TABLE = {  # question: (reference, greedy answer, the 3 samples' answers)
 
 def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
     """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here in chunks of 2
-    questions (max_rows 6). Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
+    questions (--eval-batch-size 6). Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
     over the k-subsets of a question's samples: pass@1 (1/3 + 1 + 0) / 3, pass@2 (2/3 + 1 + 0) / 3, pass@3 2/3."""
     model, tok = tiny
 
@@ -959,7 +980,7 @@ def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
         return samples_of(tokenizer, texts)
     monkeypatch.setattr(grpo, "generate", table_sampler)
     examples = [{"question": q, "answer": a, "rephrasings": []} for q, (a, _, _) in EVAL_TABLE.items()]
-    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3), 0, max_rows=6)
+    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_size=6), 0)
     brute = {}
     for k in (1, 2, 3):
         per_question = []
@@ -1127,6 +1148,55 @@ def test_prepare_builds_a_variant_into_a_folder(tmp_path, capsys):
     assert "measured noise per wording" in capsys.readouterr().out
 
 
+# Three lines in GSM8K's own format (a worked solution with <<...>> annotations, then "#### N"), the first of
+# them GSM8K's first training question; a thousands comma and a negative answer.
+GSM8K_LINES = [
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
+                 "many clips did Natalia sell altogether in April and May?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+               "altogether in April and May.\n#### 72"},
+    {"question": "A farm has 617 cows and buys 617 more. How many cows does it have?",
+     "answer": "It has 617+617 = <<617+617=1234>>1,234 cows.\n#### 1,234"},
+    {"question": "The temperature was 5 degrees and fell by 8 degrees. What is it now?",
+     "answer": "It is 5-8 = <<5-8=-3>>-3 degrees.\n#### -3"},
+]
+
+
+def test_prepare_gsm8k_writes_the_final_number_and_grpo_trains_on_it(tmp_path):
+    """data/prepare.py gsm8k from files in GSM8K's format: the answer is the number after ####, commas dropped;
+    grpo.py trains on what it writes; a line without #### stops with its file and line."""
+    import data.prepare as prepare
+    source = write(tmp_path, "gsm8k.jsonl", "".join(json.dumps(row) + "\n" for row in GSM8K_LINES))
+    prepare.main(["gsm8k", "--train", str(source), "--test", str(source), "--out", str(tmp_path / "out")])
+    for split in ("train", "test"):
+        rows = grpo.load_jsonl(tmp_path / "out" / f"{split}.jsonl")
+        assert [r["answer"] for r in rows] == ["72", "1234", "-3"]
+        assert [r["question"] for r in rows] == [r["question"] for r in GSM8K_LINES]
+    assert grpo.score("so the answer is \\(\\boxed{1,234}\\).", "1234", True, "last-number") == 1.0
+    out = tmp_path / "run"
+    assert run("--data", str(tmp_path / "out" / "train.jsonl"), "--test-data", str(tmp_path / "out" / "test.jsonl"),
+               "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--steps", "1",
+               "--eval-samples", "2", "--out", str(out)) is None
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
+    bad = write(tmp_path, "bad.jsonl", json.dumps(GSM8K_LINES[0]) + "\n"
+                + json.dumps({"question": "q", "answer": "no final line"}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["gsm8k", "--train", str(bad), "--test", str(source), "--out", str(tmp_path / "o2")])
+    assert str(stop.value.code) == (f"prepare.py: error: {bad}:2: expected a question and an answer ending in "
+                                    f"'#### <number>'")
+
+
+def test_prepare_gsm8k_from_the_hub_without_datasets_says_so_in_one_line(tmp_path, monkeypatch):
+    import importlib.util
+    import data.prepare as prepare
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["gsm8k", "--out", str(tmp_path)])
+    assert str(stop.value.code).startswith("prepare.py: error: gsm8k from the hub needs datasets: pip install datasets")
+    assert "\n" not in str(stop.value.code) and not list(tmp_path.iterdir())
+
+
 def test_tiny_tokenizer_and_model_reload(tiny):
     model, tok = tiny
     assert tok.pad_token_id != tok.eos_token_id
@@ -1183,11 +1253,17 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
-def test_seeded_run_raises_held_out_accuracy(tmp_path):
-    summary = grpo.main(["--out", str(tmp_path / "run"), "--steps", "60", "--test-data",
-                         small_test_data(tmp_path, 100), "--eval-samples", "4", "--seed", "1"])
-    gain = summary["after"]["pass@1"] - summary["before"]["pass@1"]
-    assert gain > 0.15, summary
+def test_a_seeded_run_learns_alike_in_float32_and_under_cpu_bf16_autocast(tmp_path, capsys):
+    """40 steps of the default run, in float32 and under bf16 autocast on the CPU, the code path a GPU takes: pass@1
+    on 100 held-out questions rises alike (+0.151 and +0.166 here). With autocast's cache of bf16 weights left
+    stale after each step (torch.clear_autocast_cache removed from update), the bf16 run gains only +0.065."""
+    gains = {}
+    for autocast in ("off", "bf16"):
+        summary = grpo.main(["--out", str(tmp_path / autocast), "--steps", "40", "--eval-limit", "100",
+                             "--eval-every", "0", "--log-completions", "0", "--autocast", autocast])
+        assert capsys.readouterr().out.startswith(f"grpo.py: cpu, weights torch.float32, autocast {autocast}\n")
+        gains[autocast] = summary["after"]["pass@1"] - summary["before"]["pass@1"]
+    assert gains["off"] > 0.11 and gains["bf16"] > 0.11, gains
 
 
 @pytest.mark.parametrize("variant", ["lambda", "ma", "ta"])
@@ -1220,9 +1296,9 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-def assert_same_run(out, reference):
+def assert_same_run(out, reference, step=5):
     """Same final weights (bit for bit) and the same metrics lines, timings aside."""
-    a, b = load_file(out / "checkpoint-5" / "model.safetensors"), load_file(reference / "checkpoint-5" / "model.safetensors")
+    a, b = (load_file(run / f"checkpoint-{step}" / "model.safetensors") for run in (out, reference))
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     untimed = lambda path: [{k: v for k, v in json.loads(l).items() if "time" not in k}
                             for l in (path / "metrics.jsonl").read_text().splitlines()]
@@ -2201,7 +2277,7 @@ def rollout_and_eval_metrics(rank, world):
                           num_rephrasings=2, max_new_tokens=24, max_answer_tokens=12)
         out[variant] = grpo.mean_over_ranks(grpo.ROLLOUTS[variant](lm, tok, cfg, batch)[1])
     out["eval"] = grpo.evaluate(model, tok, grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12],
-                                grpo.Config(eval_samples=3), 7, max_rows=6)
+                                grpo.Config(eval_samples=3, eval_batch_size=6), 7)
     return out
 
 
@@ -2253,18 +2329,26 @@ def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path):
         assert ddp_metrics["kl"] == pytest.approx(metrics["kl"], rel=1e-4)
 
 
-def test_torchrun_two_ranks_train_and_save(tmp_path):
+def test_torchrun_two_ranks_train_save_and_resume(tmp_path):
     """grpo.py under torchrun with 2 gloo ranks, each with one of the 2 prompts: rank 0 alone writes the log,
-    the checkpoint and the summary line."""
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "grpo.py"), *SMALL, "--out", str(out), "--steps", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    the checkpoint and the summary line; each rank names its device first. A run stopped at step 2 and resumed to
+    step 4 repeats the uninterrupted 4-step run bit for bit, weights and log."""
+    def torchrun(out, *flags):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(HERE / "grpo.py"), *SMALL, "--out", str(out), *flags]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+    stdout = torchrun(tmp_path / "run", "--steps", "2")
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2, 2]  # each line once
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
-    assert done.stdout.count("grpo: greedy") == 1
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]
+    assert stdout.count("grpo: greedy") == 1
+    assert stdout.splitlines()[:2] == ["grpo.py: cpu, weights torch.float32, autocast off"] * 2
+    torchrun(tmp_path / "run", "--steps", "4", "--resume")
+    torchrun(tmp_path / "whole", "--steps", "4")
+    assert_same_run(tmp_path / "run", tmp_path / "whole", step=4)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 7
 
 @bench
 def test_bench_scoring_degenerate_completions(request):

