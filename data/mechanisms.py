@@ -1,0 +1,280 @@
+"""
+The mechanism each variant's paper claims, measured on the shipped tasks and drawn in one figure (matplotlib is
+needed here only, not by grpo.py). It runs what it needs into data/variants/ (git-ignored; ~30 min on 2 CPU cores)
+and reuses the runs that finished there, so a second call only redraws:
+
+    python data/mechanisms.py                       # data/mechanisms.png, and its numbers as markdown tables
+
+    GRPO-MA  (a) the spread of a fixed thought's advantage A(th) over fresh draws of its M answers, against
+             1/sqrt(M); (b) grad_norm per step over its run's median, and (c) the share of steps above twice
+             it, for T4A4 against GRPO with G = 16: 16 scored answers per prompt either way.
+    TA-GRPO  (d) frac_reward_zero_std per step and (e) pass@k at the end, on three-digit sums, against GRPO with
+             G = 8: 8 samples per question either way (the question and 3 rephrasings, 2 samples each).
+    λ-GRPO   (f) how often the target path is sampled on the paper's binary tree, over 250 steps.
+
+Every scheme comes from grpo.py: runs are grpo.main, the tree's loss is grpo.policy_loss with
+grpo.group_advantages and grpo.lambda_weights, panel (a) scores with grpo.ma_advantages.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpo  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "variants" / "mechanisms"
+MS = (1, 2, 4, 8)
+
+# -----------------------------------------------------------------------------
+# The quantities (each tested in test_grpo.py against a case worked by hand or a known distribution)
+
+
+def thought_advantage_spread(draw, thought_prompt, M: int, repeats: int):
+    """How much a thought's estimated advantage moves when its M answers are drawn afresh: the variance over
+    `repeats` draws of A(th), and of V(th), averaged over the thoughts, as a standard deviation (its square root).
+    draw(M) returns the rewards of M new answers to each thought, thought-major; thought_prompt gives each
+    thought's prompt, as in grpo.ma_advantages. The variance is unbiased, so the average over thoughts is too."""
+    answer_thought = torch.arange(len(thought_prompt)).repeat_interleave(M)
+    draws = [grpo.ma_advantages(draw(M), answer_thought, thought_prompt) for _ in range(repeats)]
+    spread = lambda values: torch.stack(values).var(0).mean().sqrt().item()
+    return spread([a for a, _, _ in draws]), spread([v for _, _, v in draws])
+
+
+def spike_share(grad_norms, factor: float = 2.0) -> float:
+    """The share of steps whose gradient norm exceeds `factor` times the run's median."""
+    median = statistics.median(grad_norms)
+    return sum(g > factor * median for g in grad_norms) / len(grad_norms)
+
+
+def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0, 0, 1, 0)):
+    """The paper's synthetic tree with a tabular policy (one pair of logits per trie node, plain SGD): emit L/R
+    `depth` times; the target path gets 1, other paths sharing its first n tokens get r_neg, the rest 0.7. One
+    group of G per step, dapo's weights, divided by |λ| when lam. Returns the share of each step's G samples that
+    are the target."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(2 ** depth - 1, 2, requires_grad=True)  # node of prefix p at depth d: 2^d - 1 + p
+    opt = torch.optim.SGD([logits], lr=lr)
+    target_t, hits = torch.tensor(target), []
+    for _ in range(steps):
+        with torch.no_grad():
+            node, paths = torch.zeros(G, dtype=torch.long), []
+            for d in range(depth):
+                a = torch.multinomial(logits[node].softmax(-1), 1, generator=g).squeeze(1)
+                paths.append(a)
+                node = 2 * node + 1 + a
+            paths = torch.stack(paths, 1)  # (G, depth)
+        prefix, logps = torch.zeros(G, dtype=torch.long), []
+        for d in range(depth):
+            logps.append(logits[2 ** d - 1 + prefix].log_softmax(-1).gather(1, paths[:, d:d + 1]).squeeze(1))
+            prefix = 2 * prefix + paths[:, d]
+        logps = torch.stack(logps, 1)
+        is_target = (paths == target_t).all(1)
+        near = (paths[:, :n] == target_t[:n]).all(1)
+        rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
+        mask = torch.ones(G, depth)
+        weights = grpo.aggregation_weights(mask, "dapo")
+        weights = weights * grpo.lambda_weights(paths, mask, G) if lam else weights
+        advantages = grpo.group_advantages(rewards, torch.zeros(G, dtype=torch.long))
+        loss, _ = grpo.policy_loss(logps, logps.detach(), advantages, mask, weights)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hits.append(is_target.float().mean().item())
+    return hits
+
+
+def read_run(folder: Path):
+    """A run's metrics.jsonl: its step lines and its eval lines."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "eval" in r]
+
+# -----------------------------------------------------------------------------
+# The experiments
+
+
+def run(name: str, seed: int, flags: list[str]) -> Path:
+    """grpo.main with these flags into RUNS/<name>-<seed>; a finished run is reused (--resume)."""
+    out = RUNS / f"{name}-{seed}"
+    grpo.main(flags + ["--seed", str(seed), "--out", str(out), "--resume", "--log-completions", "0"])
+    return out
+
+
+def model_flags(name: str, prepare_flags: list[str]) -> list[str]:
+    """grpo.py flags for a premise-knob model of data/prepare.py, built once into data/variants/<name>."""
+    folder = HERE / "variants" / name
+    if not (folder / "tiny" / "model.safetensors").exists():
+        import data.prepare as prepare
+        prepare.main(["--out", str(folder), *prepare_flags])
+    return ["--model", str(folder / "tiny"), "--data", str(folder / "train.jsonl"), "--test-data",
+            str(folder / "test.jsonl")]
+
+
+def ma_spread(seed: int, prompts: int = 32, K: int = 4, repeats: int = 32):
+    """Panel (a) for one seed: K thoughts for each of `prompts` training questions from the shipped model, the
+    prompts whose K thoughts all closed kept; then, at each M, A(th) re-estimated `repeats` times from M fresh
+    answers per thought, scored as rollout_ma scores them."""
+    cfg = grpo.Config()
+    model, tok = grpo.load_model(cfg.model, torch.device("cpu"))
+    torch.manual_seed(seed)
+    data = grpo.load_jsonl(cfg.data)
+    examples = [data[i] for i in torch.randperm(len(data))[:prompts].tolist()]
+    ids = [grpo.prompt_ids(tok, cfg, ex["question"]) for ex in examples]
+    th_ids, th_mask, _ = grpo.generate(model, tok, ids, K, cfg.max_new_tokens, cfg.temperature,
+                                       stop_strings=["</think>"])
+    texts = grpo.decode(tok, th_ids, th_mask)
+    keep = [p for p in range(prompts) if all("</think>" in texts[p * K + k] for k in range(K))]
+    thoughts = [p * K + k for p in keep for k in range(K)]
+    contexts = [ids[t // K] + th_ids[t, :th_mask[t].sum()].tolist() for t in thoughts]
+    thought_prompt = torch.arange(len(keep)).repeat_interleave(K)
+
+    def draw(M):
+        answers = grpo.generate(model, tok, contexts, M, cfg.max_answer_tokens, cfg.temperature)
+        before = [texts[t] for t in thoughts for _ in range(M)]
+        references = [examples[t // K]["answer"] for t in thoughts for _ in range(M)]
+        return grpo.score_batch(tok, answers, references, cfg, before)
+    return {M: thought_advantage_spread(draw, thought_prompt, M, repeats) for M in MS}, len(keep)
+
+
+def experiments(seeds: int):
+    """Every run and measurement of the figure; returns what the panels draw."""
+    out = {"spread": [ma_spread(s) for s in range(seeds)]}
+    ma_base = ["--prompts-per-step", "8", "--eval-every", "0", "--eval-limit", "100"]
+    out["ma"] = {name: [read_run(run(name, s, ma_base + flags)) for s in range(5)] for name, flags in {
+        "GRPO G=16": ["--num-generations", "16"],
+        "GRPO-MA T4A4": ["--variant", "ma", "--num-thoughts", "4", "--num-answers", "4", "--max-new-tokens", "24",
+                         "--max-answer-tokens", "8"]}.items()}
+    three = model_flags("three-digit", ["--digits", "3"]) + [
+        "--lr", "5e-5", "--max-new-tokens", "48", "--eval-samples", "16", "--eval-every", "0"]
+    ta = ["--variant", "ta", "--num-rephrasings", "3", "--num-generations", "2"]
+    out["ta"] = {name: [read_run(run(name, s, three + flags)) for s in range(seeds)] for name, flags in {
+        "GRPO G=8": ["--num-generations", "8"],
+        "TA, anchor q0": ta,
+        "TA, anchor rephrasing": ta + ["--ta-anchor", "rephrased"]}.items()}
+    out["tree"] = {lam: [binary_tree(1, -1.0, lam, s) for s in range(20)] for lam in (False, True)}
+    return out
+
+# -----------------------------------------------------------------------------
+# The figure and its numbers
+
+
+def moving_average(values, n=5):
+    return [statistics.mean(values[max(0, i - n + 1):i + 1]) for i in range(len(values))]
+
+
+def mean_sd(xs):
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def tables(out) -> str:
+    """The figure's numbers: mean ± standard deviation over seeds (the spread of seeds, not an error of the mean)."""
+    lines = ["(a) spread of A(th) over fresh answers, mean over thoughts; seeds: " + ", ".join(
+        f"{kept} prompts × 4 thoughts" for _, kept in out["spread"]),
+        "| M | spread of A(th) | × sqrt(M) | spread of V(th) | × sqrt(M) |", "|---|---|---|---|---|"]
+    for M in MS:
+        a, v = [s[M][0] for s, _ in out["spread"]], [s[M][1] for s, _ in out["spread"]]
+        lines.append(f"| {M} | {mean_sd(a)} | {mean_sd([x * M ** 0.5 for x in a])} | {mean_sd(v)} | "
+                     f"{mean_sd([x * M ** 0.5 for x in v])} |")
+    lines += ["", "(b, c) 100 steps, P = 8, 5 seeds", "| run | median grad_norm | share of steps > 2 × median | "
+              "max / median | pass@1 before → after |", "|---|---|---|---|---|"]
+    for name, runs in out["ma"].items():
+        norms = [[r["grad_norm"] for r in steps] for steps, _ in runs]
+        lines.append(f"| {name} | {mean_sd([statistics.median(n) for n in norms])} | "
+                     f"{mean_sd([spike_share(n) for n in norms])} | "
+                     f"{mean_sd([max(n) / statistics.median(n) for n in norms])} | "
+                     f"{mean_sd([e[0]['eval']['pass@1'] for _, e in runs])} → "
+                     f"{mean_sd([e[-1]['eval']['pass@1'] for _, e in runs])} |")
+    ks = (1, 2, 4, 8, 16)
+    lines += ["", "(d, e) three-digit sums, lr 5e-5, 100 steps, 3 seeds", "| run | frac_reward_zero_std, mean over "
+              "steps | " + " | ".join(f"pass@{k} after" for k in ks) + " |", "|---|---|" + "---|" * len(ks)]
+    base = [e[0]["eval"] for runs in out["ta"].values() for _, e in runs][0]
+    lines.append("| before | | " + " | ".join(f"{base[f'pass@{k}']:.3f}" for k in ks) + " |")
+    for name, runs in out["ta"].items():
+        zero = [statistics.mean(r["frac_reward_zero_std"] for r in steps) for steps, _ in runs]
+        lines.append(f"| {name} | {mean_sd(zero)} | " + " | ".join(
+            mean_sd([e[-1]["eval"][f"pass@{k}"] for _, e in runs]) for k in ks) + " |")
+    lines += ["", "(f) binary tree, n = 1, r_neg = -1, lr 1, G = 16, 20 seeds", "| run | target share, steps 1-50 | "
+              "last 50 | seeds above 0.5 over the last 50 |", "|---|---|---|---|"]
+    for lam, runs in out["tree"].items():
+        last = [statistics.mean(h[-50:]) for h in runs]
+        lines.append(f"| {'λ-GRPO' if lam else 'GRPO'} | {mean_sd([statistics.mean(h[:50]) for h in runs])} | "
+                     f"{mean_sd(last)} | {sum(x > 0.5 for x in last)} of {len(runs)} |")
+    return "\n".join(lines)
+
+
+def band(ax, curves, label, color, x=None):
+    """The mean over seeds, with the seeds' range shaded."""
+    x = x or list(range(1, len(curves[0]) + 1))
+    mean = [statistics.mean(c) for c in zip(*curves)]
+    ax.fill_between(x, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)], color=color, alpha=0.2)
+    ax.plot(x, mean, color=color, label=label)
+
+
+def draw(out, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    (a, b, c), (d, e, f) = axes
+    for i, (seed, _) in enumerate(out["spread"]):
+        a.plot(MS, [seed[M][0] for M in MS], marker="o", color="C0", alpha=0.8, label="A(th), one seed" if i == 0
+               else None)
+    first = statistics.mean(s[1][0] for s, _ in out["spread"])
+    a.plot(MS, [first / M ** 0.5 for M in MS], "k--", label="1/√M through M = 1")
+    a.set(xscale="log", yscale="log", xticks=MS, xticklabels=MS, xlabel="answers per thought M",
+          ylabel="spread of A(th) over fresh answers", title="(a) GRPO-MA: a thought's advantage, re-estimated")
+    for color, (name, runs) in zip(("C1", "C0"), out["ma"].items()):
+        norms = [[r["grad_norm"] / statistics.median(x["grad_norm"] for x in steps) for r in steps]
+                 for steps, _ in runs]
+        for i, n in enumerate(norms):
+            b.plot(range(1, len(n) + 1), n, color=color, alpha=0.5, lw=0.8, label=name if i == 0 else None)
+        shares = [spike_share([r["grad_norm"] for r in steps]) for steps, _ in runs]
+        c.bar(name, statistics.mean(shares), color=color, alpha=0.4)
+        c.plot([name] * len(shares), shares, "o", color=color)
+    b.axhline(2, color="k", ls=":", lw=1)
+    b.set(xlabel="step", ylabel="grad_norm / the run's median", title="(b) GRPO-MA vs GRPO: gradient norms, 5 seeds")
+    c.set(ylabel="share of steps with grad_norm > 2 × median", title="(c) spikes per run (dots: seeds)")
+    ks = (1, 2, 4, 8, 16)
+    for color, (name, runs) in zip(("C1", "C0", "C2"), out["ta"].items()):
+        band(d, [moving_average([r["frac_reward_zero_std"] for r in steps]) for steps, _ in runs], name, color)
+        after = [[e[-1]["eval"][f"pass@{k}"] for k in ks] for _, e in runs]
+        band(e, after, name, color, x=list(ks))
+    e.plot(ks, [out["ta"]["GRPO G=8"][0][1][0]["eval"][f"pass@{k}"] for k in ks], "k:", label="before")
+    d.set(xlabel="step", ylabel="frac_reward_zero_std (5-step mean)", ylim=(0, 1),
+          title="(d) TA-GRPO vs GRPO: groups without signal")
+    e.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="k", ylabel="pass@k after 100 steps", ylim=(0, 1),
+          title="(e) TA-GRPO vs GRPO: pass@k, three-digit sums")
+    for color, (lam, runs) in zip(("C1", "C0"), out["tree"].items()):
+        band(f, [moving_average(h, 10) for h in runs], "λ-GRPO" if lam else "GRPO", color)
+    f.set(xlabel="step", ylabel="share of samples on the target (10-step mean)", ylim=(0, 1),
+          title="(f) λ-GRPO vs GRPO: the binary tree, 20 seeds")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8) if ax is not c else None
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Measure each paper's mechanism and draw data/mechanisms.png.")
+    parser.add_argument("--out", default=str(HERE / "mechanisms.png"))
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of panels (a), (d) and (e)")
+    args = parser.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("mechanisms.py: error: needs matplotlib (pip install matplotlib)")
+    out = experiments(args.seeds)
+    print(tables(out))
+    draw(out, Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
