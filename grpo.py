@@ -18,8 +18,7 @@ One GRPO step, as train runs it:
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
 By default μ = 1. Then π_old is π itself, so ρ = 1 and nothing is clipped. The gradient is the
-policy gradient -Σ w A ∇ log π. Defaults: P = 16, G = 8, 32 new tokens, dapo's w, β = 0; K = M = 4
-for ma; N = 3 for ta. A batch is B rows by C completion tokens.
+policy gradient -Σ w A ∇ log π. A batch is B rows by C completion tokens; Config has the defaults.
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
 
@@ -166,10 +165,9 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     tensor([[0.2500, 0.2500, 0.0000, 0.0000],
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
-    Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo. They
-    sum to less under λ-GRPO and to 2 with GRPO-MA's two parts. A rank's rows take the counts of
-    the whole batch, so the ranks' losses add up to the batch's. TRL's bnpo counts the tokens of
-    one micro-batch. With the whole batch's counts, as here, bnpo is dapo.
+    Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
+    less under λ-GRPO, to 2 with GRPO-MA's two parts. Counts are the whole batch's, on all ranks,
+    so the ranks' losses add up to its loss. TRL's bnpo counts a micro-batch; with ours it is dapo.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -352,8 +350,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     C = int(lengths.max())
     return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
 
-# 4. The rows, and one rollout per variant: it samples and scores this rank's share of a batch,
-# and returns (Rows, metrics). In one process all_reduce returns its input: ignore the ranks.
+# 4. The rows, and a rollout per variant for this rank's share of a batch (one process: all of it).
 
 @dataclass
 class Rows:
@@ -500,7 +497,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     The weights w count the whole batch on all ranks. So a micro-batch's loss is its piece of -J,
     and the pieces summed over micro-batches and ranks are -J. Each backward adds up a rank's
     gradients, and sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
-    of progress, so watch the reward. The test test_update_works_one_grpo_step_by_hand checks it."""
+    of progress: watch the reward. test_update_works_one_grpo_step_by_hand checks a step by hand."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     # rows sorted by length pad less, and the order changes no sum, as w are shares of the batch
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
@@ -538,19 +535,17 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 # 6. The training loop and the eval.
 
 def train(cfg) -> dict:
-    """Train as configured. Eval the starting policy, unless the run resumes. Then, each step,
-    draw the batch and a seed, roll out, update and log; eval and save when due. Rank 0 returns
-    the summary: the first eval and the last."""
+    """Train as configured. Eval the starting policy unless the run resumes; then, each step, draw
+    the batch and a seed, roll out, update, log; eval and save when due; return rank 0's summary."""
     device, (rank, W) = setup_ranks(), rank_and_world()
-    examples = load_jsonl(cfg.data, cfg.prompts_per_step)
-    test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]
+    examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
     bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
     model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state,
                                                                  bf16)
     print(f"grpo.py: {device}, weights {model.dtype}, autocast {'bf16' if bf16 else 'off'}")
-    evaluation = lambda step: log({"step": step, "eval": evaluate(model, tokenizer, test_examples,
-                                                                  cfg, cfg.seed + 12345)})
+    evaluation = lambda step: log({"step": step, "eval": evaluate(
+        model, tokenizer, test_examples[:cfg.eval_limit or None], cfg, cfg.seed + 12345)})
     P, t0 = cfg.prompts_per_step, time.time()
     with torch.autocast(device.type, torch.bfloat16, enabled=bf16):  # matmuls in bf16 if on
         if state is None:
@@ -671,12 +666,12 @@ def parse_args(argv=None) -> Config:
     parser = transformers.HfArgumentParser(Config, allow_abbrev=False)
     parser.error = lambda message: sys.exit(f"grpo.py: error: {message}")  # one line, no usage
     cfg = Config(**vars(parser.parse_args(argv)))
-    zero_ok = ["beta", "epsilon", "epsilon_high", "warmup_steps", "eval_every", "save_every",
-               "log_completions", "eval_limit"]  # every other number must be > 0; any seed
+    nonneg = ["beta", "epsilon", "epsilon_high", "warmup_steps", "eval_every", "save_every",
+              "log_completions", "eval_limit"]  # may be 0; every other number must be > 0; any seed
     for name, value in vars(cfg).items():
-        rule = ">=" if name in zero_ok else ">"
+        rule = ">=" if name in nonneg else ">"
         if type(value) in (int, float) and name != "seed" and not (
-                (value >= 0 if name in zero_ok else value > 0) and value < math.inf):
+                (value >= 0 if name in nonneg else value > 0) and value < math.inf):
             raise UserError(f"--{name.replace('_', '-')} {value}: must be {rule} 0")
     if cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step}: the ranks must divide it")
@@ -714,10 +709,9 @@ def load_model(path: str, device, dtype=torch.float32):
     return model.to(device), tokenizer
 
 def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, bf16: bool):
-    """The policy in float32, from the checkpoint if any; the reference if β > 0; AdamW and the
-    schedule. The reference is never trained, so under autocast its weights need only bf16."""
-    model, tokenizer = load_model(str(checkpoint or cfg.model), device)
-    dtype = torch.bfloat16 if bf16 else torch.float32  # from_pretrained returns it in eval mode
+    """The policy, from the checkpoint if any; the reference if β > 0; AdamW and the schedule."""
+    model, tokenizer = load_model(str(checkpoint or cfg.model), device)  # in float32
+    dtype = torch.bfloat16 if bf16 else torch.float32  # never trained: bf16 is enough
     ref_model = load_model(cfg.model, device, dtype)[0].requires_grad_(False) if cfg.beta else None
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5's gradient checkpointing
@@ -731,15 +725,15 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
     return model, tokenizer, ref_model, optimizer, scheduler
 
 def open_run(cfg: Config):
-    """The latest checkpoint, its state and log(), which appends to metrics.jsonl on rank 0. A run's
-    folder is only continued (--resume) or replaced (--overwrite). state.pt loads with weights_only,
-    so no code runs. The log is cut back to the checkpoint, so a step a resume redoes is in once."""
+    """The latest checkpoint, its state and log(), which appends to metrics.jsonl on rank 0. A
+    folder that holds a run is continued with --resume or replaced with --overwrite. Its state.pt
+    loads with weights_only, so no code runs. The log is cut back to the checkpoint, so no step is
+    in it twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
     if held and not (cfg.resume or cfg.overwrite) and rank == 0:  # others may see rank 0's new log
-        raise UserError(f"--out {out} already holds a run ({', '.join(p.name for p in held)}); "
-                        f"continue it with --resume or replace it with --overwrite")
+        raise UserError(f"--out {out} holds a run: --resume continues it, --overwrite replaces it")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
     if rank != 0:
@@ -760,9 +754,9 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        log_size = (out / "metrics.jsonl").stat().st_size
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "step": step, "log_size": (out / "metrics.jsonl").stat().st_size},
-                   tmp / "state.pt")
+                    "step": step, "log_size": log_size}, tmp / "state.pt")
         os.replace(tmp, final)
         for old in set(out.glob("checkpoint-*")) - {final}:
             shutil.rmtree(old)

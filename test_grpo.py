@@ -20,6 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+import data.mechanisms as mechanisms
 import grpo
 
 HERE = Path(__file__).resolve().parent
@@ -1417,8 +1418,7 @@ def test_a_run_folder_is_protected_and_a_resume_takes_changed_flags(tmp_path, ca
     out = str(tmp_path / "run")
     grpo.main(SMALL + ["--out", out, "--steps", "3"])
     assert run(*SMALL, "--out", out, "--steps", "3") == (
-        f"grpo.py: error: --out {out} already holds a run (checkpoint-3, metrics.jsonl); "
-        f"continue it with --resume or replace it with --overwrite")
+        f"grpo.py: error: --out {out} holds a run: --resume continues it, --overwrite replaces it")
     summary = grpo.main(SMALL + ["--out", out, "--steps", "4", "--resume", "--eval-samples", "4"])
     assert "pass@4" not in summary["before"] and "pass@4" in summary["after"]
     assert "pass@4 nan -> " in capsys.readouterr().out
@@ -1642,40 +1642,10 @@ def test_lambda_equivalence_theorem():
         assert lam_loss.item() == pytest.approx(node_loss.item(), abs=1e-6)
 
 
-def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0, 0, 1, 0)):
-    """The paper's synthetic tree with a tabular policy (one pair of logits per trie node, plain SGD):
-    emit L/R `depth` times; the target path gets 1, other paths sharing its first n tokens get r_neg,
-    the rest 0.7. Returns how often the target is sampled over the last 50 steps."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.zeros(2 ** depth - 1, 2, requires_grad=True)  # node of prefix p at depth d: 2^d - 1 + p
-    opt = torch.optim.SGD([logits], lr=lr)
-    target_t, hits = torch.tensor(target), []
-    for _ in range(steps):
-        with torch.no_grad():
-            node, paths = torch.zeros(G, dtype=torch.long), []
-            for d in range(depth):
-                a = torch.multinomial(logits[node].softmax(-1), 1, generator=g).squeeze(1)
-                paths.append(a)
-                node = 2 * node + 1 + a
-            paths = torch.stack(paths, 1)  # (G, depth)
-        prefix = torch.zeros(G, dtype=torch.long)
-        logps = []
-        for d in range(depth):
-            logps.append(logits[2 ** d - 1 + prefix].log_softmax(-1).gather(1, paths[:, d:d + 1]).squeeze(1))
-            prefix = 2 * prefix + paths[:, d]
-        logps = torch.stack(logps, 1)
-        is_target = (paths == target_t).all(1)
-        near = (paths[:, :n] == target_t[:n]).all(1)
-        rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
-        mask = torch.ones(G, depth)
-        weights = dapo(mask) * grpo.lambda_weights(paths, mask, G) if lam else dapo(mask)
-        advantages = grpo.group_advantages(rewards, groups_of(G, len(rewards)))
-        loss, _ = grpo.policy_loss(logps, logps.detach(), advantages, mask, weights)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        hits.append(is_target.float().mean().item())
-    return sum(hits[-50:]) / 50
+def binary_tree(*args, **kwargs):
+    """data/mechanisms.py's tree (the paper's Table 1 setting): how often the target is sampled over the last
+    50 steps."""
+    return sum(mechanisms.binary_tree(*args, **kwargs)[-50:]) / 50
 
 
 TREE_SETTINGS = [(1, -0.5), (1, -1.0), (1, -1.5), (2, -0.5), (2, -1.0), (2, -1.5)]
@@ -1707,6 +1677,46 @@ def test_bench_binary_tree_table(request):
             share = " / ".join(f"{sum(x > 0.5 for x in xs) / seeds:.2f}" for xs in runs)
             print(f"| {n} | {r} | {mean_se(runs[0])} | {mean_se(runs[1])} | {share} | {paper[n, r][0]:.3f} | "
                   f"{paper[n, r][1]:.3f} |", flush=True)
+
+# The figure of data/mechanisms.py: each panel's quantity on a case with a known answer.
+
+
+def test_mechanism_a_spread_of_a_thought_advantage_follows_its_formula():
+    """Panel (a) with answers right at known rates p, 2 prompts of 4 thoughts: V's spread over fresh draws is
+    sqrt(mean p(1-p) / M) exactly; A(th)'s approaches the delta method's sqrt(mean_i Σ_j (∂A_i/∂V_j)² p_j(1-p_j)
+    / M), so it falls as 1/√M (ratio 0.98 at M = 16, 1.00 at 64). At M = 1 it is below it: the std over only
+    K values bounds a normalised advantage (ratio 0.69)."""
+    p = torch.tensor([0.1, 0.4, 0.6, 0.9, 0.2, 0.5, 0.7, 0.95])
+    thought_prompt = groups_of(4, 8)
+    g = torch.Generator().manual_seed(0)
+    draw = lambda M: (torch.rand(len(p), M, generator=g) < p[:, None]).float().reshape(-1)
+    jacobian = torch.autograd.functional.jacobian(lambda v: grpo.group_advantages(v, thought_prompt), p)
+    for M in (1, 16, 64):
+        a, v = mechanisms.thought_advantage_spread(draw, thought_prompt, M, repeats=4000)
+        assert v == pytest.approx(math.sqrt((p * (1 - p)).mean().item() / M), rel=0.03)
+        delta = ((jacobian ** 2 * p * (1 - p)).sum(1) / M).mean().sqrt().item()
+        assert a == pytest.approx(delta, rel=0.03) if M > 1 else 0.6 * delta < a < 0.8 * delta, (M, a, delta)
+
+
+def test_mechanism_b_c_spikes_and_d_e_a_runs_metrics():
+    """Panel (c): the share of steps whose grad_norm exceeds twice the run's median, by hand. Panels (b, d, e) read
+    the run's metrics.jsonl: its step lines and its eval lines, in order."""
+    assert mechanisms.spike_share([1, 3, 1, 2, 5, 1]) == 1 / 6  # median 1.5: only 5 > 3
+    assert mechanisms.spike_share([2, 2, 2, 2]) == 0.0
+    with tempfile.TemporaryDirectory() as folder:
+        lines = [{"step": 0, "eval": {"pass@1": 0.1}}, {"step": 1, "loss": 0.0, "grad_norm": 2.0},
+                 {"step": 2, "loss": 0.0, "grad_norm": 3.0}, {"step": 2, "eval": {"pass@1": 0.3}}]
+        (Path(folder) / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+        steps, evals = mechanisms.read_run(Path(folder))
+    assert [r["grad_norm"] for r in steps] == [2.0, 3.0] and [e["eval"]["pass@1"] for e in evals] == [0.1, 0.3]
+
+
+def test_mechanism_f_the_tree_counts_target_samples():
+    """Panel (f): at learning rate 0 the policy stays uniform over the 16 paths, so the target's share of the
+    250 × 16 samples is 1/16 within 4 standard errors; every step's share is a multiple of 1/16."""
+    hits = mechanisms.binary_tree(1, -1.0, True, seed=0, lr=0.0)
+    assert len(hits) == 250 and all(h * 16 == round(h * 16) for h in hits)
+    assert sum(hits) / 250 == pytest.approx(1 / 16, abs=4 * math.sqrt(1 / 16 * 15 / 16 / 4000))
 
 # -----------------------------------------------------------------------------
 # GRPO-MA
@@ -2221,6 +2231,195 @@ def test_grpo_trains_the_real_model(smollm2, tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lengths = [r["completion_length"] for r in steps if "completion_length" in r]
     assert lengths[-1] < lengths[0]
+
+# The GPU recipe's system prompt, as Qwen2.5's model card asks for math, and GSM8K's first 8 test questions.
+BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
+GSM8K_TEST_HEAD = [
+    ("Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+     "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. How "
+     "much in dollars does she make every day at the farmers' market?", "18"),
+    ("A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?", "3"),
+    ("Josh decides to try flipping a house. He buys a house for $80,000 and then puts in $50,000 in repairs. This "
+     "increased the value of the house by 150%. How much profit did he make?", "70000"),
+    ("James decides to run 3 sprints 3 times a week. He runs 60 meters each sprint. How many total meters does he run "
+     "a week?", "540"),
+    ("Every day, Wendi feeds each of her chickens three cups of mixed chicken feed, containing seeds, mealworms and "
+     "vegetables to help keep them healthy. She gives the chickens their feed in three separate meals. In the morning, "
+     "she gives her flock of chickens 15 cups of feed. In the afternoon, she gives her chickens another 25 cups of "
+     "feed. How many cups of feed does she need to give her chickens in the final meal of the day if the size of "
+     "Wendi's flock is 20 chickens?", "20"),
+    ("Kylar went to the store to buy glasses for his new apartment. One glass costs $5, but every second glass costs "
+     "only 60% of the price. Kylar wants to buy 16 glasses. How much does he need to pay for them?", "64"),
+    ("Toulouse has twice as many sheep as Charleston. Charleston has 4 times as many sheep as Seattle. How many sheep "
+     "do Toulouse, Charleston, and Seattle have together if Seattle has 20 sheep?", "260"),
+    ("Carla is downloading a 200 GB file. Normally she can download 2 GB/minute, but 40% of the way through the "
+     "download, Windows forces a restart to install updates, which takes 20 minutes. Then Carla has to restart the "
+     "download from the beginning. How load does it take to download the file?", "160"),
+]
+
+
+@bench
+def test_bench_smollm2_writes_under_the_recipes_prompt(smol):
+    """GRPO_BENCH=1 python -m pytest -q -s -k recipes_prompt: what SmolLM2-135M-Instruct writes for GSM8K's first
+    8 test questions under the GPU recipe's system prompt (greedy, then 4 samples each at T = 1; 384 new tokens),
+    and what --answer-from last-number reads: each completion's end, the delimiters around its last \\boxed{},
+    the answer read and the reward."""
+    model, tok = smol
+    cfg = grpo.Config(system_prompt=BOXED, answer_from="last-number")
+    prompts = [grpo.prompt_ids(tok, cfg, question) for question, _ in GSM8K_TEST_HEAD]
+    torch.manual_seed(0)
+    for name, n, greedy in (("greedy", 1, True), ("T = 1", 4, False)):
+        samples = grpo.generate(model, tok, prompts, n, 384, greedy=greedy)
+        texts = grpo.decode(tok, *samples[:2])
+        references = [answer for _, answer in GSM8K_TEST_HEAD for _ in range(n)]
+        rewards = grpo.score_batch(tok, samples, references, cfg)
+        kinds = {}
+        for text, reference, reward, done in zip(texts, references, rewards.tolist(), samples[2].tolist()):
+            box = text.rfind("\\boxed{")
+            kind = ("no box" if box < 0 else next((k for k, opener in (("\\( \\)", "\\("), ("\\[ \\]", "\\["),
+                                                                    ("$ $", "$")) if text[:box].rstrip().endswith(opener)),
+                                                 "bare \\boxed{}"))
+            kinds[kind] = kinds.get(kind, 0) + 1
+            print(f"{name}: {kind:>12} | read {grpo.extract_answer(text, 'last-number')!r:>8} | ref {reference:>5} | "
+                  f"r {reward:.0f} | EOS {done:d} | ...{text[-90:]!r}")
+        print(f"{name}: {len(texts)} completions, {int(samples[2].sum())} ended with EOS; {kinds}; "
+              f"reward {rewards.mean():.3f}", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# One GPU: random weights at Qwen2.5-0.5B-Instruct's shape (its config.json's sizes) with the real Qwen2.5
+# tokenizer. The CUDA tests skip without CUDA; the memory benchmark runs on either.
+
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                  pad_token_id=151643)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def qwen05b(tmp_path_factory):
+    """A folder: Qwen2.5's tokenizer and a random 494M-parameter Qwen2 model (2 GB in float32)."""
+    import data.prepare as prepare
+    folder = tmp_path_factory.mktemp("qwen05b")
+    prepare.qwen_tokenizer(folder, "qwen2.5")
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN25_05B))
+    model.generation_config.eos_token_id = QWEN_EOS
+    model.save_pretrained(folder)
+    return folder
+
+
+def timed_phases(monkeypatch, variant):
+    """Wrap the variant's rollout and update() to time them: {"sample": [s, ...], "update": [s, ...]}."""
+    times = {"sample": [], "update": []}
+
+    def timing(name, fn):
+        def run_timed(*args):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = fn(*args)
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            return result
+        return run_timed
+    monkeypatch.setitem(grpo.ROLLOUTS, variant, timing("sample", grpo.ROLLOUTS[variant]))
+    monkeypatch.setattr(grpo, "update", timing("update", grpo.update))
+    return times
+
+
+@cuda
+@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
+def test_cuda_one_step_of_each_variant_at_the_qwen25_05b_shape(qwen05b, variant, tmp_path, monkeypatch, capsys):
+    """One step of each variant on CUDA under bf16 autocast (the default there), β > 0 so the bf16 reference
+    runs, gradient checkpointing on, 64 new tokens: the first line says so, every logged number is finite.
+    Prints the peak memory and the seconds of sampling and of the update."""
+    sums = HERE / "data" / "sums"
+    flags = {"ma": ["--num-thoughts", "2", "--num-answers", "2", "--max-answer-tokens", "16"],
+             "ta": ["--num-rephrasings", "1", "--num-generations", "2"]}.get(variant, ["--num-generations", "4"])
+    times = timed_phases(monkeypatch, variant)
+    torch.cuda.reset_peak_memory_stats()
+    grpo.main(["--model", str(qwen05b), "--data", str(sums / "train.jsonl"), "--test-data", str(sums / "test.jsonl"),
+               "--variant", variant, "--steps", "1", "--prompts-per-step", "4", "--max-new-tokens", "64",
+               "--eval-limit", "4", "--eval-samples", "2", "--beta", "0.04", "--lr", "1e-6", "--micro-batch-size", "8",
+               "--gradient-checkpointing", "--out", str(tmp_path / "run"), *flags])
+    assert capsys.readouterr().out.startswith("grpo.py: cuda:0, weights torch.float32, autocast bf16\n")
+    step = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in l][0]
+    assert all(math.isfinite(v) for k, v in step.items() if isinstance(v, float) and k != "reward_rephrased"), step
+    print(f"\n{variant}: peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, sampling {times['sample'][0]:.2f} s, "
+          f"update {times['update'][0]:.2f} s")
+
+
+@cuda
+def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
+    """Our decode loop on CUDA in float32 against model.generate: the same greedy tokens (bf16 results depend
+    on the batch's shape, so only float32 is compared token for token)."""
+    from transformers import GenerationConfig
+    model, tok = grpo.load_model(str(qwen05b), torch.device("cuda"))
+    prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QUESTIONS * 2]
+    ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 48, greedy=True)
+    ids, mask = (x.cuda() for x in grpo.left_pad(prompts, tok.pad_token_id))
+    config = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=grpo.eos_ids(model, tok),
+                              pad_token_id=tok.pad_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    for i in range(len(prompts)):
+        n = int(ours_mask[i].sum())
+        assert ours[i, :n].tolist() == theirs[i, :n].tolist(), i
+
+
+def peak_bytes(device, fn):
+    """fn's peak memory above what was allocated before it: CUDA's allocator statistics, or on the CPU the
+    process's resident high-water mark (VmHWM), reset first through /proc/self/clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        return torch.cuda.max_memory_allocated() - before
+    status = lambda key: int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+@bench
+def test_bench_memory_at_the_qwen25_05b_shape(qwen05b):
+    """GRPO_BENCH=1 python -m pytest -q -s -k memory_at: the recipe's lengths (a 150-token prompt, 512 new tokens)
+    at Qwen2.5-0.5B's shape under bf16 autocast, on CUDA if there is one, else on the CPU. The update's peak
+    above weights, gradients and AdamW's state, at 1, 2 and 4 rows a micro-batch, with and without
+    --gradient-checkpointing, and its slope per row; the sampler's KV cache per row at 662 tokens."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = grpo.load_model(str(qwen05b), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
+    g = torch.Generator().manual_seed(0)
+    rows = lambda n: make_rows([torch.randint(0, 150000, (150,), generator=g).tolist()] * n,
+                               torch.randint(0, 150000, (n, 512), generator=g), torch.ones(n, 512, dtype=torch.long),
+                               advantages=torch.randn(n, generator=g))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"\n{device}: {params / 1e6:.0f}M parameters; float32 weights {params * 4 / 2**30:.2f} GiB, "
+          f"gradients {params * 4 / 2**30:.2f} GiB, AdamW state {params * 8 / 2**30:.2f} GiB, "
+          f"autocast's bf16 copies {params * 2 / 2**30:.2f} GiB")
+    with torch.autocast(device.type, torch.bfloat16):
+        for checkpointing in (False, True):
+            model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
+            model.train()
+            cfg = grpo.Config(micro_batch_size=4)
+            grpo.update(model, None, optimizer, rows(1), cfg)  # allocates the gradients and AdamW's state
+            peaks = {n: peak_bytes(device, lambda: grpo.update(model, None, optimizer, rows(n), cfg))
+                     for n in (1, 2, 4)}
+            per_row = (peaks[4] - peaks[1]) / 3
+            print(f"update, gradient checkpointing {'on' if checkpointing else 'off'}: peak above the fixed part "
+                  + ", ".join(f"{n} rows {b / 2**30:.2f} GiB" for n, b in peaks.items())
+                  + f"; {per_row / 2**20:.0f} MiB a row", flush=True)
+        model.eval()
+        cache = transformers.DynamicCache()
+        ids = torch.randint(0, 150000, (1, 662), generator=g).to(device)
+        grpo.run_decoder(model, ids, torch.ones_like(ids), cache)
+        kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        print(f"sampler: KV cache {kv / 2**20:.1f} MiB a row of 662 tokens ({kv / 662 / 1024:.1f} KiB a token), "
+              f"plus float32 logits {151936 * 4 / 2**20:.2f} MiB a row at each step", flush=True)
+
 
 # -----------------------------------------------------------------------------
 # Data parallel: two gloo processes against one process

@@ -220,15 +220,19 @@ def draw(out, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     (a, b, c), (d, e, f) = axes
-    for i, (seed, _) in enumerate(out["spread"]):
-        a.plot(MS, [seed[M][0] for M in MS], marker="o", color="C0", alpha=0.8, label="A(th), one seed" if i == 0
-               else None)
-    first = statistics.mean(s[1][0] for s, _ in out["spread"])
-    a.plot(MS, [first / M ** 0.5 for M in MS], "k--", label="1/√M through M = 1")
-    a.set(xscale="log", yscale="log", xticks=MS, xticklabels=MS, xlabel="answers per thought M",
-          ylabel="spread of A(th) over fresh answers", title="(a) GRPO-MA: a thought's advantage, re-estimated")
+    for j, (name, color) in enumerate((("A(th), the advantage", "C0"), ("V(th), the mean reward", "C2"))):
+        for i, (seed, _) in enumerate(out["spread"]):
+            a.plot(MS, [seed[M][j] for M in MS], marker="o", color=color, label=name if i == 0 else None)
+        first = statistics.mean(s[1][j] for s, _ in out["spread"])
+        a.plot(MS, [first / M ** 0.5 for M in MS], "--", color=color, lw=1, label="1/√M from M = 1")
+    a.set(xscale="log", yscale="log", xticks=MS, xlabel="answers per thought M", ylabel="spread over fresh answers",
+          title="(a) GRPO-MA: a thought's estimate, 3 seeds")
+    a.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    a.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    a.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     for color, (name, runs) in zip(("C1", "C0"), out["ma"].items()):
         norms = [[r["grad_norm"] / statistics.median(x["grad_norm"] for x in steps) for r in steps]
                  for steps, _ in runs]
@@ -251,7 +255,11 @@ def draw(out, path: Path):
     e.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="k", ylabel="pass@k after 100 steps", ylim=(0, 1),
           title="(e) TA-GRPO vs GRPO: pass@k, three-digit sums")
     for color, (lam, runs) in zip(("C1", "C0"), out["tree"].items()):
-        band(f, [moving_average(h, 10) for h in runs], "λ-GRPO" if lam else "GRPO", color)
+        curves = [moving_average(h, 10) for h in runs]
+        for curve in curves:
+            f.plot(range(1, len(curve) + 1), curve, color=color, alpha=0.15, lw=0.8)
+        f.plot(range(1, len(curves[0]) + 1), [statistics.mean(c) for c in zip(*curves)], color=color, lw=2,
+               label=f"{'λ-GRPO' if lam else 'GRPO'}: the mean; thin, each seed")
     f.set(xlabel="step", ylabel="share of samples on the target (10-step mean)", ylim=(0, 1),
           title="(f) λ-GRPO vs GRPO: the binary tree, 20 seeds")
     for ax in axes.flat:
