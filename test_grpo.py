@@ -2369,7 +2369,7 @@ def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
 
 def peak_bytes(device, fn):
     """fn's peak memory above what was allocated before it: CUDA's allocator statistics, or on the CPU the
-    process's resident high-water mark (VmHWM), reset first through /proc/self/clear_refs."""
+    process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -2386,12 +2386,16 @@ def peak_bytes(device, fn):
 @bench
 def test_bench_memory_at_the_qwen25_05b_shape(qwen05b):
     """GRPO_BENCH=1 python -m pytest -q -s -k memory_at: the recipe's lengths (a 150-token prompt, 512 new tokens)
-    at Qwen2.5-0.5B's shape under bf16 autocast, on CUDA if there is one, else on the CPU. The update's peak
-    above weights, gradients and AdamW's state, at 1, 2 and 4 rows a micro-batch, with and without
-    --gradient-checkpointing, and its slope per row; the sampler's KV cache per row at 662 tokens."""
+    at Qwen2.5-0.5B's shape under bf16 autocast, on CUDA if there is one, else on the CPU. What the weights,
+    gradients and AdamW's state hold; the peak of AdamW's step above them; the update's peak at 1, 2 and 4 rows a
+    micro-batch without --gradient-checkpointing and at 1, 4 and 16 with it (with SGD at lr 0, which keeps no state, so the
+    activations show alone), and its slope per row; the sampler's KV cache per row at 662 tokens."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":  # glibc hands every freed block over 64 kB back, so resident memory is live memory
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 65536), libc.mallopt(-1, 0)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     model, tok = grpo.load_model(str(qwen05b), device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
     g = torch.Generator().manual_seed(0)
     rows = lambda n: make_rows([torch.randint(0, 150000, (150,), generator=g).tolist()] * n,
                                torch.randint(0, 150000, (n, 512), generator=g), torch.ones(n, 512, dtype=torch.long),
@@ -2401,24 +2405,33 @@ def test_bench_memory_at_the_qwen25_05b_shape(qwen05b):
           f"gradients {params * 4 / 2**30:.2f} GiB, AdamW state {params * 8 / 2**30:.2f} GiB, "
           f"autocast's bf16 copies {params * 2 / 2**30:.2f} GiB")
     with torch.autocast(device.type, torch.bfloat16):
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-12)
+        grpo.update(model, None, adamw, rows(1), grpo.Config())  # allocates AdamW's state
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        print(f"AdamW's step: {peak_bytes(device, adamw.step) / 2**30:.2f} GiB above its state", flush=True)
+        del adamw
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         for checkpointing in (False, True):
             model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
             model.train()
             cfg = grpo.Config(micro_batch_size=4)
-            grpo.update(model, None, optimizer, rows(1), cfg)  # allocates the gradients and AdamW's state
-            peaks = {n: peak_bytes(device, lambda: grpo.update(model, None, optimizer, rows(n), cfg))
-                     for n in (1, 2, 4)}
-            per_row = (peaks[4] - peaks[1]) / 3
-            print(f"update, gradient checkpointing {'on' if checkpointing else 'off'}: peak above the fixed part "
-                  + ", ".join(f"{n} rows {b / 2**30:.2f} GiB" for n, b in peaks.items())
-                  + f"; {per_row / 2**20:.0f} MiB a row", flush=True)
+            grpo.update(model, None, sgd, rows(1), cfg)
+            cfg.micro_batch_size = 16 if checkpointing else 4
+            sizes = (1, 4, 16) if checkpointing else (1, 2, 4)  # 16 rows without it would not fit in 24 GB
+            peaks = {n: peak_bytes(device, lambda: grpo.update(model, None, sgd, rows(n), cfg)) for n in sizes}
+            print(f"update, gradient checkpointing {'on' if checkpointing else 'off'}: peak above the weights "
+                  + ", ".join(f"{n} rows {b / 2**30:.2f} GiB" for n, b in peaks.items()) + "; from "
+                  + f"{sizes[1]} to {sizes[2]} rows {(peaks[sizes[2]] - peaks[sizes[1]]) / (sizes[2] - sizes[1]) / 2**20:.0f}"
+                  + " MiB a row (below, the gradients' and bf16 copies' peak in the backward pass hides them)", flush=True)
         model.eval()
         cache = transformers.DynamicCache()
         ids = torch.randint(0, 150000, (1, 662), generator=g).to(device)
         grpo.run_decoder(model, ids, torch.ones_like(ids), cache)
         kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        print(f"sampler: KV cache {kv / 2**20:.1f} MiB a row of 662 tokens ({kv / 662 / 1024:.1f} KiB a token), "
-              f"plus float32 logits {151936 * 4 / 2**20:.2f} MiB a row at each step", flush=True)
+        dtypes = {str(t.dtype) for layer in cache.layers for t in (layer.keys, layer.values)}
+        print(f"sampler: KV cache {kv / 2**20:.1f} MiB a row of 662 tokens ({kv / 662 / 1024:.1f} KiB a token, "
+              f"{dtypes}), plus float32 logits {151936 * 4 / 2**20:.2f} MiB a row at each step", flush=True)
 
 
 # -----------------------------------------------------------------------------
