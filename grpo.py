@@ -482,7 +482,6 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
                          torch.cat([context_mask, mask.long()], 1))  # (B, L + width, H)
     hidden = hidden[:, context_ids.shape[1] - 1:-1][mask]  # (N, H): what predicts each real token
     chunk = max(1, 2**25 // model.lm_head.out_features)
-
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -760,8 +759,7 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         os.replace(tmp, final)
         for old in set(out.glob("checkpoint-*")) - {final}:
             shutil.rmtree(old)
-    if torch.distributed.is_initialized():  # no rank runs on, or exits, while rank 0 writes
-        torch.distributed.barrier()
+    all_reduce([0])  # a barrier: no rank runs on, or exits, while rank 0 writes
 
 def setup_ranks() -> torch.device:
     """The device; under torchrun, join the process group: NCCL on GPUs, gloo on CPU."""
