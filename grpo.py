@@ -82,7 +82,7 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     """GRPO-MA's advantages of the thoughts and of their answers, from the answers' rewards, each
     answer's thought and each thought's prompt. It returns the thoughts' A, the answers' A and V.
 
-        V(th)   = the mean reward of th's answers; 0 for a thought without answers (unclosed)
+        V(th)   = the mean reward of th's answers; 0 for an unclosed one: ours, the paper is silent
         A(th)   = V(th) normalised over the K thoughts of its prompt
         A(ans)  = r(ans) normalised over all answers of its prompt, not per thought
 
@@ -117,7 +117,7 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
     So π given q0 learns from samples given q_j, and no importance weight corrects for that. This
-    is off-policy on purpose, as in the paper's v5, because the rephrasings explore. Its code
+    is off-policy on purpose, as in arXiv 2601.22478v5, because the rephrasings explore. Its code
     conditions on each response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO.
     """
     return group_advantages(rewards, question, scale, eps)
