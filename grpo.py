@@ -34,7 +34,6 @@ The variants change what a row holds: its context, its advantage A and its token
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. The reward reads one number or compares text. No LoRA: the reference is a
 full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
-Sections 1 to 6 are the algorithm; 7 is plumbing.
 """
 
 import importlib.util, json, math, os, random, re, shutil, sys, time
@@ -53,7 +52,6 @@ from tqdm import tqdm
 #     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(ids, mask, G)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
-
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     """GRPO's advantage: each reward normalised within its group. The rewards are B floats, the
     groups B ids from 0 to n-1. The std is unbiased, as TRL's.
@@ -270,7 +268,6 @@ def score_batch(tokenizer, samples, references, cfg, before=None):
                          done in zip(before, texts, references, samples[2].tolist())])
 
 # 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).
-
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     """The ids of a question in the chat template, then of --response-prefix. The prefix is plain
     text that begins the reply, as <think> in DeepSeek-R1's template. It is never trained."""
@@ -351,7 +348,6 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
 
 # 4. The rows, and a rollout per variant for this rank's share of a batch (one process: all of it).
-
 @dataclass
 class Rows:
     """What a rollout hands to update: B completions with their contexts, advantages and token
@@ -432,9 +428,8 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                    frac_reward_zero_std=no_signal(answer_adv, answer_prompt, len(batch)),
                    unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1))
     row_contexts = [prompts[p] for p in thought_prompt] + [c for c in contexts for _ in range(M)]
-    rows = Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
-                torch.cat([values, rewards]))
-    return rows, metrics
+    return Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
+                torch.cat([values, rewards])), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 with up to N of its rephrasings q_j, drawn afresh each step, and
@@ -465,7 +460,6 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
 ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
-
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
     """Log softmax(logits / T) of each completion token, B by C, given its context and the
     tokens before it; 0 off the mask. One forward pass over context + completion, no KV cache:
@@ -532,7 +526,6 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     return means | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # 6. The training loop and the eval.
-
 def train(cfg) -> dict:
     """Train as configured. Eval the starting policy unless the run resumes; then, each step, draw
     the batch and a seed, roll out, update, log; eval and save when due; return rank 0's summary."""
@@ -610,9 +603,7 @@ def summary(cfg, wall_s: float) -> dict:
     print(f"{cfg.variant}: {line} | {wall_s:.0f} s")
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
-# 7. The plumbing of flags, data, models, the run folder, checkpoints and ranks. Bad input stops
-# the run with one line that names it.
-
+# 7. Plumbing: flags, data, models, run folder, checkpoints, ranks. Bad input stops with one line.
 @dataclass
 class Config:
     """Every field is a command-line flag: num_generations is --num-generations."""
