@@ -231,6 +231,7 @@ def draw(out, path: Path):
     a.set(xscale="log", yscale="log", xticks=MS, xlabel="answers per thought M", ylabel="spread over fresh answers",
           title="(a) GRPO-MA: a thought's estimate, 3 seeds")
     a.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     a.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     a.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     for color, (name, runs) in zip(("C1", "C0"), out["ma"].items()):
