@@ -365,8 +365,9 @@ def gsm8k_rows(rows, where: str) -> list[dict]:
     dropped. `where` names the source in an error, which gives the 1-based line."""
     out = []
     for number, row in enumerate(rows, 1):
-        final = GSM8K_FINAL.search(row.get("answer", "")) if isinstance(row, dict) else None
-        if final is None or not isinstance(row.get("question"), str):
+        strings = isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))
+        final = GSM8K_FINAL.search(row["answer"]) if strings else None
+        if final is None:
             raise grpo.UserError(f"{where}:{number}: expected a question and an answer ending in '#### <number>'")
         out.append({"question": row["question"], "answer": final.group(1).replace(",", "")})
     return out
