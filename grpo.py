@@ -36,7 +36,7 @@ trainer's forward pass. The reward reads one number or compares text. No LoRA: t
 full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
 """
 
-import importlib.util, json, math, os, random, re, shutil, sys, time
+import functools, importlib.util, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -220,52 +220,100 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # because the policy would be trained toward a false positive. Model output is read, never run.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
-BOX = r"\s*(\\boxed\{[^{}]*\})\s*"  # Qwen2.5 writes \[ \boxed{8} \], \( \boxed{8} \) or $\boxed{8}$
-MATH_BOX_RE = re.compile(rf"\\\[{BOX}\\\]|\\\({BOX}\\\)|\${BOX}\$")
+# what a box may hold around its number: \$ before it; \%, % or a unit in \text{} after it
+BOXED_RE = re.compile(r"\s*(?:\\\$)?\s*(\S+?)\s*(?:\\?%|\\text\{\s*[A-Za-z][A-Za-z /]+\})?\s*")
 
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
-    The answer comes after the first </think>; a thought that never closes holds none.
-    - tags: what the last <answer>...</answer> holds.
-    - last-number: the last number, when only words, prose punctuation or "=" stand around it.
-    - math-verify: the tags' answer, graded against the reference as LaTeX by math_verify.
-    Both sides lose whitespace, $, a final period and one \\boxed{} around all. A numeric reference
-    wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others want the same text."""
+    extract_answer finds the answer; math-verify grades it against the reference as LaTeX.
+    Both sides lose whitespace, $, math delimiters, a final period and one \\boxed{} around all.
+    A numeric reference wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others
+    want the same text."""
     answer = extract_answer(text, answer_from)
     if not finished or answer is None:
         return 0.0
     if answer_from == "math-verify":
         from math_verify import parse, verify  # parse_args made sure it is installed
         return float(verify(parse(f"${reference}$"), parse(f"${answer}$")))
-    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1", re.sub(r"\s|\\?\$", "", s).rstrip("."))
+    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1",
+                             re.sub(r"\s|\\?\$|\\[()[\]]", "", s).rstrip("."))
     num = lambda s: Fraction(s.replace(",", "")) if NUMBER_RE.fullmatch(s) and len(s) < 99 else None
     a, ref = plain(answer).strip("*"), plain(reference)  # * is markdown's bold
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer text that score reads, or None. It only splits and searches: linear time."""
+    """The answer that score reads, or None. It only splits and searches: linear time. The answer
+    follows the first </think>; a thought that never closes holds none.
+    - tags: what the last <answer>...</answer> holds. So does math-verify when there are tags.
+    - last-number, and math-verify without tags: what the last \\boxed{} holds. Its number may
+      carry \\$, % or a \\text{} unit. A box that never closes is a miss.
+    - last-number without a box: the last number, when only words, prose punctuation or "="
+      stand around it. Math delimiters count as spaces, so 'is \\( 45 \\).' reads 45.
+    The box, like the number, must stand as a word, with a word or "=" before it."""
     if "<think>" in text and "</think>" not in text:
         return None
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
-    text = MATH_BOX_RE.sub(r" \1\2\3 ", text)  # a delimited \boxed{} stands as a word of its own
-    if answer_from == "last-number":
-        words = re.sub(r"</?(?:think|answer)>", " ", text).split()  # the tags are spaces here
-        at = [i for i, word in enumerate(words) if re.search("[0-9]", word)]
-        prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in word)
-        before = words[at[-1] - 1] if at and at[-1] else ""
-        if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
-            return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
-        return words[at[-1]].rstrip(PROSE).lstrip("'\"*")
-    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
-    return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
+    if answer_from == "tags" or (answer_from == "math-verify" and "<answer>" in text):
+        start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
+        return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
+    text = re.sub(r"</?(?:think|answer)>|\\[()[\]]|(?<!\\)\$", " ", text)  # all spaces here
+    start, depth, box = text.rfind("\\boxed{"), 0, None
+    for brace in re.finditer("[{}]", text[start:] if start >= 0 else ""):  # to the box's own }
+        depth += 1 if brace[0] == "{" else -1
+        if depth == 0:  # the box, emptied, is the last word, with what touches it
+            box = text[start + 7:start + brace.end() - 1]
+            text = text[:start] + "\\boxed{}" + re.match(r"\S*", text[start + brace.end():])[0]
+            break
+    if (start >= 0 or answer_from == "math-verify") and box is None:
+        return None  # a box cut off by the length limit, or math-verify with nothing to grade
+    words = text.split()  # with a box, its word is the last: the words after it may hold numbers
+    at = [i for i, word in enumerate(words) if box is not None or re.search("[0-9]", word)]
+    prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in re.sub(r"\b-\b", "", word))
+    before = words[at[-1] - 1] if at and at[-1] else ""
+    if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
+        return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
+    word = re.sub(r"\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
+    if box is None:
+        return word
+    if word == "\\boxed{}":
+        return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box) or [box, box])[1]
 
-def score_batch(tokenizer, samples, references, cfg, before=None):
-    """The B rewards of what generate returns. Each text is scored after `before`, by default the
-    response prefix. A GRPO-MA answer is scored after the prefix and its thought."""
+def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
+    """The default reward, called as TRL calls a reward function: 1.0 for each completion whose
+    answer score reads as its reference, else 0.0. TRL passes no `finished`, so there every
+    completion counts as finished. A TRL completion may also be a list of chat messages."""
+    finished = finished or [True] * len(completions)
+    text = lambda c: c if isinstance(c, str) else c[-1]["content"]
+    return [score(text(c), a, f, answer_from) for c, a, f in zip(completions, answer, finished)]
+
+@functools.cache
+def reward_function(spec: str, answer_from: str):
+    """--reward-fn FILE.py:NAME, a function of yours, or else correct. The file runs as a script."""
+    if not spec:
+        return functools.partial(correct, answer_from=answer_from)
+    path, _, name = spec.rpartition(":")
+    functions = runpy.run_path(path) if path.endswith(".py") else {}  # a missing file: OSError
+    if not callable(functions.get(name)):
+        raise UserError(f"--reward-fn {spec}: wanted FILE.py:NAME, a function in that file")
+    return functions[name]
+
+def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
+    """The B rewards of what generate returns, from one call of the reward function as TRL makes
+    it: the prompts and completions as text, then each key of the rows' data lines as a keyword,
+    with a value per row, and finished. A row's prompt is its question unless given. Its
+    completion is scored after `before`, by default the response prefix."""
     texts = decode(tokenizer, *samples[:2])
+    if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
+        return torch.zeros(0)
+    columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
     before = before or [cfg.response_prefix] * len(texts)
-    return torch.tensor([score(b + text, reference, done, cfg.answer_from) for b, text, reference,
-                         done in zip(before, texts, references, samples[2].tolist())])
+    rewards = torch.tensor(reward_function(cfg.reward_fn, cfg.answer_from)(
+        prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
+        finished=samples[2].tolist(), **columns), dtype=torch.float)
+    if rewards.shape != (len(texts),) or not rewards.isfinite().all():
+        raise UserError(f"--reward-fn {cfg.reward_fn}: {rewards.numel()} rewards for {len(texts)} "
+                        f"completions, or one not finite")
+    return rewards
 
 # 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
@@ -319,6 +367,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     ids, mask = (x.to(device) for x in left_pad(prompts, tokenizer.pad_token_id))
     cache = transformers.DynamicCache()
     logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, V)
+    if cache.get_seq_length() != ids.shape[1]:  # transformers 5.17 ignored cache= without a word
+        raise UserError(f"transformers {transformers.__version__} kept no KV cache: install 5.24+")
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
     cache.reorder_cache(index)  # an index_select with repeats, so prompt p fills rows p·n..p·n+n-1
     logits, mask = logits[index], mask[index]  # (B, V), (B, L)
@@ -375,7 +425,7 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     G = cfg.num_generations
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
-    rewards = score_batch(tokenizer, s, [ex["answer"] for ex in batch for _ in range(G)], cfg)
+    rewards = score_batch(tokenizer, s, [ex for ex in batch for _ in range(G)], cfg)
     group = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's prompt
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
     ids, mask = s[0].cpu(), s[1].cpu()  # (P·G, C)
@@ -383,7 +433,8 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
         ids, mask, G)  # under grpo 1/|λ| is only logged
     weights = weights * inv_lambda if cfg.variant == "lambda" else weights
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
-                   completion_length=mask.sum(1).float(), lambda_mean=1 / inv_lambda[mask.bool()])
+                   completion_length=mask.sum(1).float(), lambda_mean=1 / inv_lambda[mask.bool()],
+                   frac_truncated=~s[2])
     return Rows([prompts[p] for p in group], ids, mask, advantages, weights, rewards), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
@@ -413,8 +464,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
     answer_prompt = thought_prompt[answer_thought]  # (A,) each answer's prompt
     before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored with it
-    references = [batch[p]["answer"] for p in answer_prompt]
-    rewards = score_batch(tokenizer, ans, references, cfg, before)  # (A,)
+    rewards = score_batch(tokenizer, ans, [batch[p] for p in answer_prompt], cfg, before=before)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
     pad = lambda a, b: torch.nn.utils.rnn.pad_sequence([*a, *b], True).cpu()  # thoughts, answers
@@ -426,7 +476,8 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
     metrics = dict(reward=rewards, completion_length=ans[1].sum(1).float(), thought_value=values,
                    frac_reward_zero_std=no_signal(answer_adv, answer_prompt, len(batch)),
-                   unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1))
+                   unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
+                   frac_truncated=~ans[2])
     row_contexts = [prompts[p] for p in thought_prompt] + [c for c in contexts for _ in range(M)]
     return Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
                 torch.cat([values, rewards])), metrics
@@ -436,23 +487,24 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
     Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    phrasings, question_of, q0_of = [], [], []  # for each phrasing: ids, question, q0's phrasing
+    texts, question_of, q0_of = [], [], []  # for each phrasing: text, question, q0's phrasing
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        q0_of += [len(phrasings)] * (1 + len(drawn))  # q0 is the first of p's phrasings
-        phrasings += [prompt_ids(tokenizer, cfg, text) for text in [ex["question"]] + drawn]
+        q0_of += [len(texts)] * (1 + len(drawn))  # q0 is the first of p's phrasings
+        texts += [ex["question"]] + drawn
         question_of += [p] * (1 + len(drawn))
+    phrasings = [prompt_ids(tokenizer, cfg, text) for text in texts]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     group = torch.tensor(question_of).repeat_interleave(G)  # (B,) each row's question
     phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
     q0 = torch.tensor(q0_of).repeat_interleave(G)  # (B,) the phrasing of its question's q0
-    rewards = score_batch(tokenizer, s, [batch[p]["answer"] for p in group], cfg)
+    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg, [texts[j] for j in phrasing])
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
     anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's q0, or its code's q_j
     mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=mask.sum(1).float(), reward_rephrased=rewards[phrasing != q0],
-                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
+                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1), frac_truncated=~s[2])
     weights = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens)
     rows = Rows([phrasings[j] for j in anchor], s[0].cpu(), mask, advantages, weights, rewards)
     return rows, metrics
@@ -542,7 +594,8 @@ def train(cfg) -> dict:
     with torch.autocast(device.type, torch.bfloat16, enabled=bf16):  # matmuls in bf16 if on
         if state is None:
             evaluation(0)
-        for step in tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0):
+        bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
+        for step in bar:
             t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
             # the step's seed draws its P prompts, so a resume draws the same; ranks split them
             seed = cfg.seed * 1_000_003 + step
@@ -551,6 +604,7 @@ def train(cfg) -> dict:
             rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
             metrics = mean_over_ranks(metrics) | update(model, ref_model, optimizer, rows, cfg)
             scheduler.step()
+            bar.set_postfix_str(f"reward {metrics['reward']:.3f}")
             if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
                 show_group(tokenizer, rows, step + 1)
             log({"step": step + 1, "lr": lr, **metrics, "time/step": time.perf_counter() - t_step})
@@ -565,34 +619,40 @@ def train(cfg) -> dict:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
-    samples a question at the training temperature. Chunk c of --eval-batch-size rows is seeded
-    with seed + c and sampled by rank c % W. GRPO-MA's eval samples plain completions."""
+    samples a question at the training temperature. A reward of 1 counts as right. Each pass
+    decodes --eval-batch-size rows a chunk, so a sampled chunk holds that over n questions. Chunk
+    c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
-    size, greedy, pass_k = max(1, cfg.eval_batch_size // n), 0.0, [0.0] * n  # this rank's sums
-    chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
-    for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
-        torch.manual_seed(seed + c)
-        chunk = examples[start:start + size]
-        prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
-        s = generate(model, tokenizer, prompts, 1, limit, greedy=True)
-        greedy += score_batch(tokenizer, s, [ex["answer"] for ex in chunk], cfg).sum()
-        s = generate(model, tokenizer, prompts, n, limit, cfg.temperature)
-        rewards = score_batch(tokenizer, s, [ex["answer"] for ex in chunk for _ in range(n)], cfg)
-        for right in rewards.view(len(chunk), n).sum(1).long().tolist():
-            pass_k = [p + 1 - math.comb(n - right, k) / math.comb(n, k)
-                      for k, p in enumerate(pass_k, 1)]
+    greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
+    for rows, sampled in ((1, False), (n, True)):  # the greedy pass, then the sampled one
+        size = max(1, cfg.eval_batch_size // rows)  # questions a chunk
+        chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
+        for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
+            torch.manual_seed(seed + c)
+            chunk = examples[start:start + size]
+            prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
+            s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, greedy=not sampled)
+            rewards = score_batch(tokenizer, s, [ex for ex in chunk for _ in range(rows)], cfg)
+            right = (rewards == 1).view(len(chunk), rows).sum(1).tolist()  # (questions,)
+            greedy += 0 if sampled else sum(right)
+            for r in right if sampled else []:  # a question with r of its n samples right
+                pass_k = [p + 1 - math.comb(n - r, k) / math.comb(n, k)
+                          for k, p in enumerate(pass_k, 1)]
     greedy, *pass_k = all_reduce([greedy, *pass_k])
     return {"greedy": greedy / len(examples)} | {
         f"pass@{k}": total / len(examples) for k, total in enumerate(pass_k, 1)}
 
 def show_group(tokenizer, rows: Rows, step: int):
-    """Print the rows that share the first row's context: reward, advantage, text."""
+    """Print the rows that share the first row's context: reward, advantage, and the text's start
+    and end, where the answer is. Whitespace prints as one space."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     for i, text in zip(shown, texts):  # a per-token advantage shows as its mean, 0s aside
         a = rows.advantages[i].sum() / rows.advantages[i].count_nonzero().clamp(min=1)
-        tqdm.write(f"step {step}  r {rows.rewards[i]:4.2f}  A {a:+5.2f}  {text[:80]!r}")
+        text = " ".join(text.split())
+        text = text if len(text) <= 100 else f"{text[:30]} [...] {text[-64:]}"
+        tqdm.write(f"step {step}  r {rows.rewards[i]:4.2f}  A {a:+5.2f}  {text}")
 
 def summary(cfg, wall_s: float) -> dict:
     """Print the first eval against the last, both read from metrics.jsonl, and return them."""
@@ -609,7 +669,6 @@ class Config:
     """Every field is a command-line flag: num_generations is --num-generations."""
     model: str = str(Path(__file__).parent / "data/tiny")  # a local folder or a hub name
     data: str = str(Path(__file__).parent / "data/train.jsonl")  # see load_jsonl
-    test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval
     system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '' for none
     response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
     variant: Literal["grpo", "ma", "ta", "lambda"] = "grpo"
@@ -629,12 +688,18 @@ class Config:
     epsilon: float = 0.2  # the clip range, and its upper side unless epsilon_high is given
     epsilon_high: float | None = None  # DAPO's is 0.28
     num_iterations: int = 1  # μ, updates per sampled batch
-    answer_from: Literal["tags", "last-number", "math-verify"] = "tags"  # see score()
+    answer_from: Literal["tags", "last-number", "math-verify"] = "tags"  # see extract_answer()
+    reward_fn: str = ""  # FILE.py:NAME, a reward function called as TRL calls one; default correct
     lr: float = 2e-4  # AdamW's; ~1e-6 for real models
     warmup_steps: int = 10  # linear warmup, then constant
     max_grad_norm: float = 1.0
+    seed: int = 0
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
+    # what is trained is set above; a --resume may change the flags below (--steps only upward)
     micro_batch_size: int = 64  # rows per forward and backward pass of the update
+    gradient_checkpointing: bool = False  # less activation memory for more compute
     steps: int = 100
+    test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval
     eval_every: int = 50  # 0 for the start and the end only
     eval_samples: int = 8  # n per held-out question, for pass@1..n
     eval_limit: int = 0  # the eval's questions: the first N of --test-data; 0 for all
@@ -644,9 +709,6 @@ class Config:
     out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
     resume: bool = False  # continue the run in --out from its checkpoint, or start it
     overwrite: bool = False  # replace a run in --out, which without it or --resume stops
-    seed: int = 0
-    gradient_checkpointing: bool = False  # less activation memory for more compute
-    autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -671,6 +733,7 @@ def parse_args(argv=None) -> Config:
                         f"closes the thought: the reward would not come from the model")
     if cfg.answer_from == "math-verify" and importlib.util.find_spec("math_verify") is None:
         raise UserError("--answer-from math-verify needs math_verify: pip install math-verify")
+    reward_function(cfg.reward_fn, cfg.answer_from)  # a bad --reward-fn stops here
     return cfg
 
 def load_jsonl(path, at_least: int = 1) -> list[dict]:
@@ -726,6 +789,12 @@ def open_run(cfg: Config):
         raise UserError(f"--out {out} holds a run: --resume continues it, --overwrite replaces it")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
+    trained = list(vars(cfg))[:list(vars(cfg)).index("micro_batch_size")]  # Config's first flags
+    flags = json.loads((checkpoint / "flags.json").read_text()) if checkpoint else vars(cfg)
+    changed = [f"--{k.replace('_', '-')} {flags.get(k)}" for k in trained if flags.get(k) != getattr(
+        cfg, k)] + ([f"--steps {state['step']} or more"] if state and cfg.steps < state["step"] else [])
+    if changed:  # a resume trains what its run trained
+        raise UserError(f"--resume: the run in {out} was trained with {', '.join(changed)}")
     if rank != 0:
         return checkpoint, state, lambda record: None
     for path in [] if checkpoint else held:  # a fresh run replaces an old one
@@ -744,6 +813,7 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / "flags.json").write_text(json.dumps(vars(cfg), indent=1))  # what a resume checks
         log_size = (out / "metrics.jsonl").stat().st_size
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "step": step, "log_size": log_size}, tmp / "state.pt")

@@ -73,6 +73,11 @@ def text_rows(tok, context, texts, **fields):
     return make_rows([context] * len(texts), ids, mask, **fields)
 
 
+def rows_of(answer, n):
+    """n data lines with this answer, as score_batch takes them."""
+    return [{"question": "q", "answer": answer, "rephrasings": []}] * n
+
+
 def samples_of(tok, texts, finished=True):
     """generate's triple for completion texts, as if sampled: (ids, mask, finished)."""
     ids, mask = encode(tok, texts)
@@ -395,22 +400,208 @@ def test_score_last_number_mode(text, reward):
 WRAPPINGS = ["\\({}\\)", "\\[ {} \\]", "\\[\n{}\n\\]", "${}$", "$ {} $"]  # Qwen2.5's math delimiters
 
 
+# What a box may hold around its number under last-number: of NOW_MISSES, only these read inside a \\boxed{}.
+BOXED_UNITS = [("50\\%", "50"), ("5\\text{ cm}", "5")]
+
+
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
-def test_math_delimiters_around_one_box_are_read_and_nothing_more(wrapping):
-    """\\( \\), \\[ \\] and $ $ around one \\boxed{} are read in both modes; every false-positive case of the
-    tables above still scores 0 inside them; a delimiter around more than the box, or a mismatched pair, is not
-    read."""
+def test_math_delimiters_are_spaces_and_every_false_positive_still_misses_in_a_box(wrapping):
+    """\\( \\), \\[ \\] and $ $ around a \\boxed{} are read in both modes. Under last-number the box stands as a word:
+    an operator before it is a miss; the words after it, which may hold numbers, and a mismatched delimiter are not.
+    Every false-positive case of the tables above still scores 0 in a box; of NOW_MISSES, a box reads only
+    BOXED_UNITS, and the tags' answer none."""
     box = wrapping.format("\\boxed{18}")
     assert grpo.score(f"So she has {box}.", "18", True, "last-number") == 1.0
     assert grpo.score(f"<answer>{box}</answer>", "18", True) == 1.0
-    for text in (wrapping.format("2 + \\boxed{18}"), wrapping.format("\\boxed{18} eggs"), "\\(\\boxed{18}\\]"):
-        assert grpo.score(f"so {text}", "18", True, "last-number") == 0.0, text
+    assert grpo.score("so " + wrapping.format("2 + \\boxed{18}"), "18", True, "last-number") == 0.0
+    for text in (wrapping.format("\\boxed{18} eggs"), "\\(\\boxed{18}\\]", box + " in 3 days."):
+        assert grpo.score(f"so {text}", "18", True, "last-number") == 1.0, text
     cases = (NOT_THE_NUMBER + EXPRESSIONS + [(b, a) for a, b in EXPRESSIONS] + NOW_MISSES
              + [(a, r) for a, r, reward in GRADER_CASES if reward == 0])
     for answer, reference in cases:
         box = wrapping.format("\\boxed{" + answer + "}")
-        assert grpo.score(f"so {box}", reference, True, "last-number") == 0.0, (box, reference)
+        read = float((answer, reference) in BOXED_UNITS)
+        assert grpo.score(f"so {box}", reference, True, "last-number") == read, (box, reference)
         assert grpo.score(f"<answer>{box}</answer>", reference, True) == 0.0, (box, reference)
+
+
+# What Qwen2.5-Instruct wrote: the endings of its replies to GSM8K test questions, verbatim from evaluation logs that
+# others committed to public repositories, as (ending, GSM8K's answer, whether the reply's answer is that answer,
+# where). The reply's last lines: a reader given the whole reply reads the same. Sources:
+#   A  kuk/simple-evals-ru @5fb1507 data/results/mgsm/06_qwen_2_5_7b.jsonl: 7B, temperature 0, asked to end "Answer:"
+#   B  michael-xu25/rl-intro @9088b65 main/rl-intro_logs/baseline_eval.jsonl: 1.5B, greedy, the question alone
+#   C  macklinhrw/llm-reasoning @786fbc4 "results/archive/pre-prompt fix/evaluation_results-qwen2.5-7b-01-zs.json":
+#      7B, greedy, asked to "provide the final answer as a number"; "#i" is GSM8K's test index
+#   D  the same folder, evaluation_results-qwen2.5-7b-01-fs.json: 7B, greedy, 8-shot examples ending "The answer is N."
+# The reply of "Brian will walk 35 miles in 7 days" is right and read as 7: a number after the answer, no box.
+REAL_REPLIES = [
+    ("Therefore, Ann's brother will be \\boxed{21} years old in 3 years.",
+     '21', True, 'B line 7'),
+    ('Therefore, the farmer needs \\(\\boxed{2}\\) more cows to produce 25 liters of milk a day.',
+     '2', True, 'C #839'),
+    ('Thus, Frankie watched \\(\\boxed{3}\\) 30-minute episodes on Wednesday.',
+     '3', True, 'C #107'),
+    ('Thus, it will take John \\(\\boxed{2}\\) weeks to save $80.',
+     '2', True, 'C #555'),
+    ('Therefore, Adam will be \\(\\boxed{38}\\) years old in 8 years.',
+     '38', True, 'D #909'),
+    ('Therefore, Josh makes \\(\\boxed{120}\\) dollars in 2 weeks.',
+     '120', True, 'B line 71'),
+    ("Thus, the likelihood that Ellen's friend gets sprayed with soda from a shaken can is "
+     '\\(\\boxed{25\\%}\\).',
+     '25', True, 'D #1094'),
+    ('Thus, the percentage chance that a baby wearing a bow is wearing purple '
+     'is:\n\\[\n\\boxed{50\\%}\n\\]',
+     '50', True, 'D #1159'),
+    ('Therefore, Michael has covered \\(\\boxed{60}\\%\\) of the distance from Alaska to Texas.',
+     '60', True, 'C #1235'),
+    ("Therefore, the percentage of the river's total water used by the city for non-industrial "
+     'purposes is \\( \\boxed{8\\%} \\).',
+     '8', True, 'C #707'),
+    ('Thus, the total thickness of the four books is:\n\\[\n\\boxed{188 \\text{ mm}}\n\\]',
+     '188', True, 'D #537'),
+    ('Therefore, each child received \\(\\boxed{5}\\) books.',
+     '5', True, 'B line 17'),
+    ('Thus, the total weight of the crayons and the boxes is \\(\\boxed{25}\\) pounds.',
+     '25', True, 'B line 48'),
+    ('Thus, the time it took Vanessa to complete her part of the race is \\(\\boxed{64}\\) minutes.',
+     '64', True, 'B line 78'),
+    ('Therefore, the average number of Junebugs that Rita removes per day is \\(\\boxed{60}\\).',
+     '60', True, 'B line 61'),
+    ('Therefore, the number of recipes John learns is \\(\\boxed{32}\\).',
+     '32', True, 'B line 81'),
+    ('Therefore, the bakery has \\boxed{450} loaves of bread.',
+     '450', True, 'B line 75'),
+    ('Therefore, the number of students enrolled this year in the calligraphy class is '
+     '\\(\\boxed{60}\\).',
+     '60', True, 'B line 9'),
+    ('Therefore, the class needs \\boxed{145} more points to go on the trip.',
+     '145', True, 'B line 31'),
+    ('So, the number of fairies remaining is \\( 45 \\).',
+     '45', True, 'B line 6'),
+    ('Therefore, the length of the longer piece is \\( 32 \\) feet.',
+     '32', True, 'C #1220'),
+    ('So, the temperature in the morning was \\(-3\\) degrees Celsius.',
+     '-3', True, 'C #1113'),
+    ('So, the number of cake slices remaining on the plate is \\(8\\).',
+     '8', True, 'C #743'),
+    ('Therefore, the total time of the cassette is:\n\\[\n\\boxed{13}\n\\]',
+     '13', True, 'D #1155'),
+    ('Thus, the number of chocolate bars produced in the fourth week is:\n\\[\n\\boxed{14000}\n\\]',
+     '14000', True, 'C #829'),
+    ('Therefore, James saved:\n\\[\n\\boxed{10}\n\\]',
+     '10', True, 'D #714'),
+    ('Therefore, John lost to 4 people. The final answer is:\n\n\\[\n\\boxed{4}\n\\]',
+     '4', True, 'C #305'),
+    ('So, the flock of ten ducks needs **5 pounds** of insects per day.',
+     '5', True, 'B line 15'),
+    ('Therefore, the number of gallons of blood that ten sharks swimming in the sea have is **1200**.',
+     '1200', True, 'C #1194'),
+    ('So, the total number of sticks they have is **34**.',
+     '34', True, 'C #1007'),
+    ('Therefore, Antonella earned a total of **$450**.',
+     '450', True, 'B line 77'),
+    ('     50 \\text{ dollars} + 80 \\text{ dollars} = 130 \\text{ dollars}\n     \\]\n\nAnswer: 130',
+     '130', True, 'A line 163'),
+    ('Step 3: Add the expenditures to find the total.\n- Total expenditure = $940\n\nAnswer: 940',
+     '940', True, 'A line 72'),
+    ('\\[ G = 40 + 30 \\]\n\\[ G = 70 \\]\n\nAnswer: 70',
+     '70', True, 'A line 135'),
+    ('Total pens = 25 (initial) + 5 (first cycle) + 1 (second cycle) = 31\n\nAnswer: 31',
+     '31', True, 'A line 153'),
+    ('Therefore, 18 cats ran after the mouse, leaving 30 - 18 = 12 cats on the rock.\n\nThe '
+     'answer is 12 cats.',
+     '12', True, 'D #421'),
+    ('Since Ryan cannot buy a fraction of a ticket, he can only buy 2 movie tickets. Therefore, '
+     'the answer is 2 movie tickets.',
+     '2', True, 'D #1295'),
+    ('Therefore, Jennifer remained with 12 - 9 = 3 oranges. The answer is 3.',
+     '3', True, 'D #860'),
+    ("Two years ago, Liam was 16 - 2 = 14 years old. At that time, Liam's age was twice the age "
+     'of Vince, so Vince was 14 / 2 = 7 years old. Therefore, Vince is now 7 + 2 = 9 years old. '
+     'The answer is 9.',
+     '9', True, 'D #1128'),
+    ('\\[ \\text{Percentage difference} = \\frac{1}{4} \\times 100 = 25\\% \\]\n\nAnswer: 25%',
+     '25', True, 'A line 130'),
+    ('Rounded to the nearest integer, the percentage chance that a randomly picked card will be '
+     'a water type is 33%.',
+     '33', True, 'D #226'),
+    ('So, after applying the 5% discount, you will pay $133 for the bag.',
+     '133', True, 'D #758'),
+    ('Step 5: Calculate the percentage of students who enrolled in hip-hop dance.\n(12 / 20) * '
+     '100 = 60%\n\nAnswer: 60',
+     '60', True, 'A line 181'),
+    ('So, it would take 15 hours to clean one-half of the rooms at the KozyInn Motel.',
+     '15', True, 'D #853'),
+    ('Therefore, 20% of the cars are semi-automatic.',
+     '20', True, 'D #140'),
+    ('Therefore, it would take 15 hours to clean one-half of the rooms.',
+     '15', True, 'C #853'),
+    ('   - Final count of marbles: \\( 8 - 1 = 7 \\).\n\nSo, Brendan ends up with 7 marbles.',
+     '7', True, 'B line 70'),
+    ('Therefore, it will take Kalinda and her mom 1 hour to complete the puzzle.',
+     '1', True, 'B line 2'),
+    ('     B = \\frac{70 \\text{ miles}}{2} = 35 \\text{ miles}\n     \\]\n\nSo, Brian will walk 35 '
+     'miles in 7 days.',
+     '35', True, 'C #1121'),
+    ('Thus, the total cost of replacing the movies is:\n\\[\n\\boxed{3200}\n\\]',
+     '4400', False, 'B line 76'),
+    ('Thus, the total cost for 10 lollipops and 10 candies is:\n\\[\n\\boxed{\\$4.40}\n\\]',
+     '7', False, 'B line 34'),
+    ('Thus, the amount of root beer available for each person to drink during the party '
+     'is:\n\\[\n\\boxed{\\frac{8}{3}}\n\\]',
+     '2', False, 'C #1199'),
+    ('So, the total number of hours John spends learning each week is:\n\\[ \\boxed{\\frac{85}{3}} \\]',
+     '30', False, 'D #1088'),
+    ('Therefore, it took James \\(\\boxed{0.5}\\) hours (or 30 minutes) to reach the halfway point '
+     'and realize he forgot something at home.',
+     '2', False, 'D #1082'),
+    ("Therefore, the school's overall pass rate is \\(\\boxed{68\\%}\\).",
+     '70', False, 'D #806'),
+    ('Thus, the total time it takes Tom to get back to his starting point is:\n\\[\n\\boxed{0.8 '
+     '\\text{ hours}}\n\\]',
+     '5', False, 'B line 3'),
+    ('\\[\n\\boxed{4 \\text{ blue and } 6 \\text{ red}}\n\\]',
+     '10', False, 'D #906'),
+    ('Therefore, the total length of the glue sticks that are not used is:\n\\[\n\\boxed{20}\n\\]',
+     '16', False, 'C #840'),
+    ('Thus, the total number of books they have read altogether is:\n\n\\[\n\\boxed{600}\n\\]',
+     '675', False, 'D #768'),
+    ('\\[ \\text{Distance from home} = 315 \\, \\text{miles} \\]\n\nAnswer: 315',
+     '45', False, 'A line 117'),
+    ('     \\frac{x}{12} = \\frac{240}{12} = 20\n     \\]\n\nAnswer: 20',
+     '145', False, 'A line 58'),
+    ('Rounding to the nearest cent, the total amount Mandy should give to Benedict after 3 '
+     'months is $106.12.\n\nAnswer: 106.12',
+     '106', False, 'A line 69'),
+    ('Therefore, Elvis needs to save **$37.5** each day in the second half of April to meet his goal.',
+     '50', False, 'B line 41'),
+    ('Therefore, the final answer is that James was not out any money, but gained $110.',
+     '50', False, 'D #943'),
+    ('So, Frankie watched 4 thirty-minute episodes on Wednesday.',
+     '3', False, 'D #107'),
+    ('So, the difference between their two scores is:\n\\[ \\boxed{-25} \\]',
+     '25', False, 'D #780'),
+]
+
+
+def test_the_reader_credits_what_qwen_writes_and_no_wrong_answer():
+    """The box-first reading credits 48 of these 49 right replies, the reader of 5c86486 (the last number, a box only
+    inside math delimiters) 28; neither credits a wrong one."""
+    right = [(ending, grpo.score(ending, answer, True, "last-number")) for ending, answer, is_right, _ in REAL_REPLIES
+             if is_right]
+    assert [ending for ending, reward in right if reward == 0] == [REAL_REPLIES[48][0]]
+    assert sum(reward for _, reward in right) / len(right) >= 0.97 and len(right) == 49
+    for ending, answer, is_right, where in REAL_REPLIES:
+        assert is_right or grpo.score(ending, answer, True, "last-number") == 0.0, where
+        assert grpo.score(ending, answer, False, "last-number") == 0.0  # unfinished: never
+
+
+def test_math_verify_grades_the_last_box_of_what_qwen_writes():
+    pytest.importorskip("math_verify", reason="the test command installs math-verify")
+    boxed = [(ending, answer, is_right) for ending, answer, is_right, _ in REAL_REPLIES if "\\boxed" in ending]
+    assert [grpo.score(ending, answer, True, "math-verify") for ending, answer, _ in boxed] == [
+        float(is_right) for _, _, is_right in boxed] and len(boxed) == 34
 
 
 def test_score_batch_scores_each_text_after_its_prefix(tiny):
@@ -418,12 +609,12 @@ def test_score_batch_scores_each_text_after_its_prefix(tiny):
     texts = ["<answer>8</answer>", "8", "<think>x</think><answer>8</answer>", "<think><answer>8</answer></think>"]
     for answer_from, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
         cfg = grpo.Config(answer_from=answer_from)
-        assert grpo.score_batch(tok, samples_of(tok, texts), ["8"] * 4, cfg).tolist() == expected
+        assert grpo.score_batch(tok, samples_of(tok, texts), rows_of("8", 4), cfg).tolist() == expected
     unfinished = samples_of(tok, texts, finished=False)
-    assert grpo.score_batch(tok, unfinished, ["8"] * 4, CFG).tolist() == [0.0] * 4
+    assert grpo.score_batch(tok, unfinished, rows_of("8", 4), CFG).tolist() == [0.0] * 4
     before = ["<think>a</think><answer>", "", "<think>", "<think>"]  # a response prefix, a GRPO-MA thought
     assert grpo.score_batch(tok, samples_of(tok, ["8</answer>", "8", "x</think>8", "</think><answer>8</answer>"]),
-                            ["8"] * 4, CFG, before).tolist() == [1.0, 0.0, 0.0, 1.0]
+                            rows_of("8", 4), CFG, before=before).tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
 # Where math_verify 0.9.0 (--answer-from math-verify) and the narrow reader disagree on the tables above:
@@ -1090,7 +1281,7 @@ def test_a_response_prefix_may_open_what_the_model_closes(tiny):
         assert grpo.parse_args(flags).response_prefix == flags[1]
     tok = tiny[1]
     cfg = grpo.Config(response_prefix="<think>x</think><answer>")
-    assert grpo.score_batch(tok, samples_of(tok, ["7</answer>", "x"]), ["7", "7"], cfg).tolist() == [1.0, 0.0]
+    assert grpo.score_batch(tok, samples_of(tok, ["7</answer>", "x"]), rows_of("7", 2), cfg).tolist() == [1.0, 0.0]
 
 
 def test_a_response_prefix_is_text_not_control_tokens(tiny):
@@ -2272,7 +2463,8 @@ def test_bench_smollm2_writes_under_the_recipes_prompt(smol):
         samples = grpo.generate(model, tok, prompts, n, 384, greedy=greedy)
         texts = grpo.decode(tok, *samples[:2])
         references = [answer for _, answer in GSM8K_TEST_HEAD for _ in range(n)]
-        rewards = grpo.score_batch(tok, samples, references, cfg)
+        rewards = grpo.score_batch(tok, samples, [{"question": q, "answer": a} for q, a in GSM8K_TEST_HEAD
+                                                  for _ in range(n)], cfg)
         kinds = {}
         for text, reference, reward, done in zip(texts, references, rewards.tolist(), samples[2].tolist()):
             box = text.rfind("\\boxed{")

@@ -78,6 +78,7 @@ class Task:
     digits: 2 (10..99) or more (3: 100..999, a harder task)."""
     thought_noise: tuple = (0.0, 0.3, 0.6, 0.9)
     answer_noise: tuple = (0.05, 0.15, 0.25, 0.35)
+    forget_carry: tuple = (0.0, 0.0, 0.0, 0.0)
     order: str = "phrased"
     digits: int = 2
     sft_steps: int = 400
@@ -88,7 +89,7 @@ def phrasings(a: int, b: int) -> list[str]:
     return list(dict.fromkeys(t.format(a=x, b=y) for t in TEMPLATES for x, y in ((a, b), (b, a))))
 
 
-def column_sums(a: int, b: int, digits: int, rng: random.Random, noisy: bool):
+def column_sums(a: int, b: int, digits: int, rng: random.Random, noisy: bool, forget: float = 0.0):
     """The column sums s_i (units first) and carries c_i of a + b, with one wrong step when noisy: a column
     sum off by one (later columns follow it) or a flipped carry, chosen uniformly."""
     x = [a // 10**i % 10 for i in range(digits)]
@@ -100,6 +101,8 @@ def column_sums(a: int, b: int, digits: int, rng: random.Random, noisy: bool):
         if step == 2 * i:
             s = s + 1 if s == 0 else s + rng.choice([-1, 1])
         carry = s // 10 if step != 2 * i + 1 else 1 - (x[i] + y[i] + carry) // 10
+        if carry and forget and rng.random() < forget:  # a carry that is due, forgotten
+            carry = 0
         sums.append(s)
         carries.append(carry)
     return x, y, sums, carries
@@ -111,7 +114,8 @@ def solution(a: int, b: int, rng: random.Random, k: int, task: Task = Task()) ->
     possibly off by 1 or 10."""
     if task.order == "canonical":
         a, b = max(a, b), min(a, b)
-    x, y, sums, carries = column_sums(a, b, task.digits, rng, rng.random() < task.thought_noise[k])
+    x, y, sums, carries = column_sums(a, b, task.digits, rng, rng.random() < task.thought_noise[k],
+                                      task.forget_carry[k])
     steps = [f"{x[0]}+{y[0]}={sums[0]}"]
     for i in range(1, task.digits):
         steps.append(f"c{carries[i - 1]} {x[i]}+{y[i]}+{carries[i - 1]}={sums[i]}")
@@ -237,15 +241,15 @@ def sft(model, tokenizer, train_pairs, rng, task: Task = Task(), batch_size=64, 
 def report(model, tokenizer, test, max_new_tokens: int = 32):
     """Held-out sampled accuracy per wording (one sample per prompt, temperature 1)."""
     torch.manual_seed(0)
-    prompts, answers, kinds = [], [], []
+    prompts, rows, kinds = [], [], []
     for row in test:
         for text in [row["question"]] + row["rephrasings"]:
             prompts.append(grpo.prompt_ids(tokenizer, grpo.Config(), text))
-            answers.append(row["answer"])
+            rows.append(row | {"question": text})
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
     samples = grpo.generate(model, tokenizer, prompts, 1, max_new_tokens)
-    rewards = grpo.score_batch(tokenizer, samples, answers, grpo.Config())
+    rewards = grpo.score_batch(tokenizer, samples, rows, grpo.Config())
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
@@ -278,7 +282,8 @@ def noise_rates(task: Task, n: int = 4000, seed: int = 0) -> list[tuple[float, f
 def prepare(args):
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    task = Task(tuple(args.thought_noise), tuple(args.answer_noise), args.order, args.digits, args.sft_steps)
+    task = Task(tuple(args.thought_noise), tuple(args.answer_noise), tuple(args.forget_carry), args.order,
+                args.digits, args.sft_steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -481,6 +486,8 @@ def main(argv=None):
                         help="per wording: chance of one wrong step in the thought, e.g. 0,0.3,0.6,0.9")
     parser.add_argument("--answer-noise", type=floats, default=list(Task.answer_noise),
                         help="per wording: chance that the answer is off by 1 or 10 from the thought's")
+    parser.add_argument("--forget-carry", type=floats, default=list(Task.forget_carry),
+                        help="per wording: chance that a carry that is due is forgotten (written c0)")
     parser.add_argument("--order", choices=["phrased", "canonical"], default=Task.order,
                         help="operands in the thought as phrased, or larger first (a rephrasing's answer fits q0)")
     parser.add_argument("--digits", type=int, default=Task.digits, help="operand digits (3: a harder task)")
