@@ -325,10 +325,10 @@ def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     prefix = tokenizer(cfg.response_prefix, add_special_tokens=False, split_special_tokens=True)
     return tokenizer(text, add_special_tokens=False).input_ids + prefix.input_ids
 
-def left_pad(seqs: list[list[int]], pad_id: int):
-    """Lists of ids -> ids and attention mask, B by L, padded on the left."""
+def pad_ids(seqs: list[list[int]], pad_id: int, side: str = "left"):
+    """Lists of ids -> ids and attention mask, B by L, padded on the left or the right."""
     pad = lambda rows, value: torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(row, dtype=torch.long) for row in rows], True, value, "left")
+        [torch.tensor(row, dtype=torch.long) for row in rows], True, value, side)
     return pad(seqs, pad_id), pad([[1] * len(s) for s in seqs], 0)
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
@@ -364,7 +364,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         return (torch.zeros(0, 0, dtype=torch.long),) * 2 + (torch.zeros(0, dtype=torch.bool),)
     device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
-    ids, mask = (x.to(device) for x in left_pad(prompts, tokenizer.pad_token_id))
+    ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
     cache = transformers.DynamicCache()
     logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, V)
     if cache.get_seq_length() != ids.shape[1]:  # transformers 5.17 ignored cache= without a word
@@ -514,27 +514,29 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
     """Log softmax(logits / T) of each completion token, B by C, given its context and the
-    tokens before it; 0 off the mask. One forward pass over context + completion, no KV cache:
+    tokens before it; 0 off the mask. One forward pass over each context + completion, no KV
+    cache. The rows are right-padded, so no position sees only padding: on CUDA such a position
+    can turn the attention's backward pass to NaN.
 
-        input       pad p1 p2 p3 | t1 t2 pad      the context left-padded to L tokens,
-        mask         0  1  1  1  |  1  1  0       the completion right-padded
-        predicts             t1  | t2 -           position L-1 predicts completion token 0
+        input      p1 p2 p3 t1 t2 pad     a context of n = 3 tokens, then its completion
+        predicts         t1 t2  -         position n - 1 + j predicts completion token j
 
     The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
-    width = int(completion_mask.sum(1).max())  # the columns past it hold only padding
-    ids, mask = completion_ids[:, :width], completion_mask[:, :width].bool()
-    context_ids, context_mask = (x.to(ids.device) for x in left_pad(contexts, 0))
-    hidden = run_decoder(model, torch.cat([context_ids, ids], 1),
-                         torch.cat([context_mask, mask.long()], 1))  # (B, L + width, H)
-    hidden = hidden[:, context_ids.shape[1] - 1:-1][mask]  # (N, H): what predicts each real token
+    mask, n = completion_mask.bool(), completion_mask.sum(1)  # a completion's n tokens come first
+    seqs = [context + row[:k].tolist() for context, row, k in zip(contexts, completion_ids, n)]
+    ids, attention = (x.to(n.device) for x in pad_ids(seqs, 0, "right"))  # (B, S)
+    start = torch.tensor([len(context) - 1 for context in contexts], device=n.device)[:, None]
+    position = torch.arange(ids.shape[1], device=n.device)  # (S,)
+    predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
+    hidden = run_decoder(model, ids, attention)[predicts]  # (N, H), in the order of ids[mask]
     chunk = max(1, 2**25 // model.lm_head.out_features)
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    logps = torch.zeros(completion_ids.shape, device=ids.device)
-    logps[:, :width][mask] = torch.cat([  # checkpointed, so no chunk's logits wait for backward
+    logps = torch.zeros(completion_ids.shape, device=mask.device)
+    logps[mask] = torch.cat([  # checkpointed, so no chunk's logits wait for backward
         torch.utils.checkpoint.checkpoint(chunk_logps, h, t, use_reentrant=False)
-        for h, t in zip(hidden.split(chunk), ids[mask].split(chunk))])
+        for h, t in zip(hidden.split(chunk), completion_ids[mask].split(chunk))])
     return logps
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:

@@ -794,7 +794,7 @@ def test_greedy_sampling_equals_hf_generate(tiny, qwen):
         questions = ["12+34=", "what is 47 plus 38?", "add 5 to 7", "sum of 10 and 99"]
         prompts = [grpo.prompt_ids(tok, CFG, q) for q in questions]
         ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 24, greedy=True)
-        ids, mask = grpo.left_pad(prompts, tok.pad_token_id)
+        ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
         config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=grpo.eos_ids(model, tok),
                                   pad_token_id=tok.pad_token_id)
         theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
@@ -845,7 +845,7 @@ def test_sampler_takes_prompts_of_one_token(tiny):
     model.eval()
     prompts = [[tok.convert_tokens_to_ids("<|assistant|>")], [tok.convert_tokens_to_ids("1")]]
     ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 6, greedy=True)
-    ids, mask = grpo.left_pad(prompts, tok.pad_token_id)
+    ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=grpo.eos_ids(model, tok),
                               pad_token_id=tok.pad_token_id)
     theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, 1:]
@@ -897,6 +897,32 @@ def test_logps_and_their_gradients_equal_hf_forward_row_by_row(tiny, variant):
     for a, b in zip(our_grads, their_grads):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     model.zero_grad()
+
+
+def test_no_position_of_the_update_sees_only_padding():
+    """On an H200 (torch 2.11, cuDNN's attention) the default run stopped at a NaN gradient norm while the update
+    left-padded its contexts: a left pad attends to nothing, and cuDNN's backward pass can turn such a row to NaN
+    (pytorch#196678). Here an attention function that refuses such a row runs updates on ragged contexts, as GRPO-MA's
+    prompt + thought and TA-GRPO's rephrasings give them; the forward pass the sampler makes may have them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def refusing(module, query, key, value, attention_mask, **kwargs):
+        assert attention_mask is not None and attention_mask.any(-1).all(), "a position sees only padding"
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    transformers.AttentionInterface.register("refusing", refusing)
+    AttentionMaskInterface.register("refusing", sdpa_mask)
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    model.set_attn_implementation("refusing")
+    contexts = [grpo.prompt_ids(tok, CFG, q) for q in ["1+2=", "what is 12 plus 34?", "sum of 5 and 60"]]
+    rows = text_rows(tok, contexts[0], ["<answer>3</answer>", "<answer>46", "<think>"], advantages=torch.ones(3))
+    rows.contexts = contexts
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for mu in (1, 2):
+        assert math.isfinite(grpo.update(model, None, optimizer, rows, grpo.Config(num_iterations=mu))["grad_norm"])
+    ids, mask = grpo.pad_ids([c + [5, 6] for c in contexts], tok.pad_token_id)  # the layout of 5c86486
+    with pytest.raises(AssertionError, match="sees only padding"):
+        grpo.run_decoder(model, ids, mask)
 
 
 def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
@@ -2357,7 +2383,7 @@ def test_real_model_greedy_sampling_equals_hf_generate(smol):
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QUESTIONS]
     assert len(set(map(len, prompts))) > 1
     ours, ours_mask, finished = grpo.generate(model, tok, prompts, 1, 20, greedy=True)
-    ids, mask = grpo.left_pad(prompts, tok.pad_token_id)
+    ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=[IM_END], pad_token_id=IM_END)
     theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
     assert finished.any()
@@ -2537,7 +2563,9 @@ def test_cuda_one_step_of_each_variant_at_the_qwen25_05b_shape(qwen05b, variant,
                "--gradient-checkpointing", "--out", str(tmp_path / "run"), *flags])
     assert capsys.readouterr().out.startswith("grpo.py: cuda:0, weights torch.float32, autocast bf16\n")
     step = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in l][0]
-    assert all(math.isfinite(v) for k, v in step.items() if isinstance(v, float) and k != "reward_rephrased"), step
+    answerless = variant == "ma" and step["unclosed_thoughts"] == 1  # random weights rarely close a thought
+    assert all(math.isfinite(v) for k, v in step.items() if isinstance(v, float) and k != "reward_rephrased" and not (
+        answerless and k in ("reward", "completion_length", "frac_truncated"))), step
     print(f"\n{variant}: peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, sampling {times['sample'][0]:.2f} s, "
           f"update {times['update'][0]:.2f} s")
 
@@ -2550,13 +2578,54 @@ def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
     model, tok = grpo.load_model(str(qwen05b), torch.device("cuda"))
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QUESTIONS * 2]
     ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 48, greedy=True)
-    ids, mask = (x.cuda() for x in grpo.left_pad(prompts, tok.pad_token_id))
+    ids, mask = (x.cuda() for x in grpo.pad_ids(prompts, tok.pad_token_id))
     config = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=grpo.eos_ids(model, tok),
                               pad_token_id=tok.pad_token_id)
     theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
     for i in range(len(prompts)):
         n = int(ours_mask[i].sum())
         assert ours[i, :n].tolist() == theirs[i, :n].tolist(), i
+
+
+# The GPU recipe of the README, as flags (its model and data aside).
+RECIPE = ["--system-prompt", BOXED, "--answer-from", "last-number", "--max-new-tokens", "512", "--lr", "1e-6",
+          "--warmup-steps", "0", "--micro-batch-size", "16", "--gradient-checkpointing", "--eval-limit", "200",
+          "--eval-batch-size", "256", "--steps", "200"]
+
+
+@cuda
+@bench
+def test_bench_cuda_the_recipes_step_at_the_qwen25_05b_shape(qwen05b):
+    """GRPO_BENCH=1 python -m pytest -q -s -k recipes_step (CUDA only): one rollout, one update and one eval chunk at
+    the recipe's settings, with random Qwen2.5-0.5B weights under bf16 autocast: 16 prompts x 8 completions of up to 512
+    tokens, micro-batches of 16 rows, gradient checkpointing; the eval chunk is 32 questions, 32 greedy rows and 256
+    sampled. Random weights rarely emit EOS, so nearly every row runs to 512 tokens: an upper bound on a real step.
+    Prints each phase's seconds and peak memory (allocated by torch, and reserved)."""
+    cfg, device = grpo.parse_args(RECIPE), torch.device("cuda")
+    model, tok = grpo.load_model(str(qwen05b), device)
+    model.activation_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    batch = [{"question": q, "answer": a, "rephrasings": []} for q, a in GSM8K_TEST_HEAD] * 2  # P = 16
+
+    def phase(name, fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        print(f"{name}: {time.perf_counter() - start:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
+              f"allocated, {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved", flush=True)
+        return result
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    with torch.autocast("cuda", torch.bfloat16):
+        torch.manual_seed(0)
+        rows, metrics = phase("rollout, 128 rows", lambda: grpo.rollout_grpo(model, tok, cfg, batch))
+        print(f"  completion tokens {int(rows.completion_mask.sum())}, truncated {metrics['frac_truncated'].float().mean():.2f}")
+        phase("update, 8 micro-batches of 16", lambda: grpo.update(model, None, optimizer, rows, cfg))
+        phase("update again (AdamW's state exists)", lambda: grpo.update(model, None, optimizer, rows, cfg))
+        result = phase("eval chunk, 32 greedy + 256 sampled rows", lambda: grpo.evaluate(model, tok, batch * 2, cfg, 0))
+    assert rows.completion_mask.shape[0] == 128 and set(result) == {"greedy"} | {f"pass@{k}" for k in range(1, 9)}
 
 
 def peak_bytes(device, fn):
