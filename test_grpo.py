@@ -660,6 +660,83 @@ def test_math_verify_trains_and_without_the_package_stops_with_one_line(tmp_path
     assert not (tmp_path / "other").exists()
 
 
+# A reward function as TRL users write them: keyword arguments, the dataset's columns by name, **kwargs for the rest.
+# It computes what the default reward computes on the tags (the answer after </think>, EOS required) and records what
+# it was called with.
+TRL_STYLE_REWARD = """
+import json, os
+
+def exact_answer(prompts, completions, answer, **kwargs):
+    calls = os.environ["GRPO_TEST_CALLS"]
+    with open(calls, "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions, "answer": answer,
+                            "keys": sorted(kwargs)}) + "\\n")
+    rewards = []
+    for completion, reference, done in zip(completions, answer, kwargs["finished"]):
+        text = completion.split("</think>", 1)[-1]
+        opened = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
+        found = text[opened + 8:text.find("</answer>", opened)] if opened >= 0 else "?"
+        try:
+            right = float(found) == float(reference) and ("</think>" in completion or "<think>" not in completion)
+        except ValueError:
+            right = False
+        rewards.append(float(done and right))
+    return rewards
+
+def one_short(completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+"""
+
+
+def test_a_reward_function_in_a_file_trains_as_the_default_reward_does(tmp_path, monkeypatch):
+    """--reward-fn FILE.py:NAME is called once per batch as TRL calls a reward function: the prompts (each row's
+    question) and completions as text, each data column by name, and finished. A function that computes the default
+    reward's values trains the tiny model into the same run, its evals included."""
+    (tmp_path / "rewards.py").write_text(TRL_STYLE_REWARD)
+    monkeypatch.setenv("GRPO_TEST_CALLS", str(tmp_path / "calls.jsonl"))
+    runs = []
+    for name, flags in (("default", []), ("file", ["--reward-fn", f"{tmp_path / 'rewards.py'}:exact_answer"])):
+        grpo.main(SMALL + ["--out", str(tmp_path / name), "--steps", "3", *flags])
+        runs.append([json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    for a, b in zip(*runs):
+        assert {k: v for k, v in a.items() if k != "time/step"} == {k: v for k, v in b.items() if k != "time/step"}
+    assert any(l.get("reward") for l in runs[1])  # the rewards it gave were not all 0
+    calls = [json.loads(l) for l in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 3 + 3 * 2 and {tuple(c["keys"]) for c in calls} == {("finished", "question", "rephrasings")}
+    first = calls[2]  # the first training step's batch: P = 2 questions, G = 2 completions each, as the data has them
+    examples = {ex["question"]: ex["answer"] for ex in grpo.load_jsonl(HERE / "data" / "train.jsonl")}
+    assert [examples[p] for p in first["prompts"]] == first["answer"] and first["prompts"][0] == first["prompts"][1]
+    assert all(isinstance(c, str) for c in first["completions"])
+
+
+def test_a_bad_reward_function_stops_with_one_line(tmp_path):
+    (tmp_path / "rewards.py").write_text(TRL_STYLE_REWARD)
+    out = ["--out", str(tmp_path / "run")]
+    for spec, message in [(f"{tmp_path}/none.py:f", "No such file or directory"),
+                          ("rewards.py", "wanted FILE.py:NAME"),
+                          (f"{tmp_path}/rewards.py:missing", "wanted FILE.py:NAME, a function in that file")]:
+        stop = run("--reward-fn", spec, *out)
+        assert stop.startswith("grpo.py: error: ") and message in stop and "\n" not in stop, stop
+        assert not (tmp_path / "run").exists()  # before anything loads
+    stop = run(*SMALL, "--reward-fn", f"{tmp_path}/rewards.py:one_short", "--steps", "1", *out)
+    assert stop == f"grpo.py: error: --reward-fn {tmp_path}/rewards.py:one_short: 3 rewards for 4 completions, or one not finite"
+
+
+def test_the_default_reward_takes_trls_call():
+    """As GRPOTrainer (trl 1.x) calls a reward function: prompts, completions and completion_ids, each dataset column
+    but prompt and completion by name, and trainer_state; a conversational dataset gives lists of messages. TRL names
+    a reward by its __name__, which functools.partial lacks, hence the small function for another reader."""
+    def last_number(**kwargs):
+        return grpo.correct(**kwargs, answer_from="last-number")
+    prompts = [[{"role": "user", "content": "Josh buys a house for $80,000 ..."}]] * 3
+    completions = [[{"role": "assistant", "content": text}] for text in (
+        "Therefore, Josh makes \\(\\boxed{70000}\\) dollars in 2 years.", "So he made 70,000.", "\\boxed{7000}")]
+    kwargs = dict(prompts=prompts, completion_ids=[[1], [2], [3]], answer=["70000"] * 3, trainer_state=None)
+    assert last_number(completions=completions, **kwargs) == [1.0, 1.0, 0.0]
+    assert grpo.correct(completions=[c[0]["content"] for c in completions], **kwargs) == [0.0, 0.0, 0.0]  # tags
+    assert grpo.correct(completions=["<answer>70000</answer>"], **kwargs | {"answer": ["70000"]}) == [1.0]
+
+
 HOSTILE = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "{", "}", "\\frac{", "/", "-", "+", ".", ",",
            "0", "1", "9", "٣", "¹", "①", "𝟙", "١٢", "\x00", "\u202e", "e", "E5", "nan", "inf", "$", " ", "\n", "1/0",
            "9" * 5000, "1" * 4301 + "/" + "7" * 4301, "\\frac{" + "9" * 5000 + "}{1}", "!", "=", "*"]
@@ -783,6 +860,16 @@ def test_sampler_stops_at_the_token_that_completes_a_stop_string(tiny):
                                                                         "<think>12"]]
     assert mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the last: its EOS
     assert finished.tolist() == [False, False, True]
+
+
+def test_a_kv_cache_that_does_not_hold_the_prompt_stops_the_run(monkeypatch):
+    """transformers 5.17 swallows the forward's cache= keyword, so the decoder fills no cache of ours and the sampler
+    would decode without the prompt. Here the keyword is dropped the same way: the sampler stops with one line."""
+    model, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    forward = model.model.forward
+    monkeypatch.setattr(model.model, "forward", lambda *args, cache=None, **kwargs: forward(*args, **kwargs))
+    with pytest.raises(grpo.UserError, match=f"^transformers {transformers.__version__} kept no KV cache: install"):
+        grpo.generate(model, tok, [grpo.prompt_ids(tok, CFG, "1+2=")], 2, 8)
 
 
 def test_greedy_sampling_equals_hf_generate(tiny, qwen):
@@ -1185,12 +1272,15 @@ EVAL_TABLE = {  # question: (reference, greedy answer, the 3 samples' answers)
 
 
 def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
-    """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here in chunks of 2
-    questions (--eval-batch-size 6). Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
+    """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here with --eval-batch-size
+    6: the greedy pass in one chunk of 3 questions, the sampled in chunks of 2. Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
     over the k-subsets of a question's samples: pass@1 (1/3 + 1 + 0) / 3, pass@2 (2/3 + 1 + 0) / 3, pass@3 2/3."""
     model, tok = tiny
 
+    calls = []
+
     def table_sampler(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, greedy=False, **kwargs):
+        calls.append((len(prompts), n, greedy))
         texts = []
         for prompt in prompts:
             question = next(q for q in EVAL_TABLE if q in tokenizer.decode(prompt))
@@ -1209,6 +1299,7 @@ def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
         brute[f"pass@{k}"] = sum(per_question) / 3
     assert brute == pytest.approx({"pass@1": 4 / 9, "pass@2": 5 / 9, "pass@3": 2 / 3})
     assert result == pytest.approx({"greedy": 2 / 3} | brute)
+    assert calls == [(3, 1, True), (2, 3, False), (1, 3, False)]  # each pass decodes up to 6 rows a call
 
 # -----------------------------------------------------------------------------
 # Flags and data: bad input stops the run with one line
@@ -1629,15 +1720,23 @@ def test_a_save_that_dies_half_way_leaves_the_previous_checkpoint(uninterrupted,
     assert not list(out.glob("*.tmp"))
 
 
-def test_a_run_folder_is_protected_and_a_resume_takes_changed_flags(tmp_path, capsys):
-    """A run folder is never reused silently. A resume runs the command it is given: a changed --eval-samples
-    once ended the resumed run in a KeyError (its first eval has pass@1..2, its last pass@1..4)."""
+def test_a_run_folder_is_protected_and_a_resume_keeps_what_it_trains(tmp_path, capsys):
+    """A run folder is never reused silently. Its checkpoint records the flags; a resume that would change what is
+    trained stops with one line naming them. --steps may grow; the eval, log and save flags may change: a changed
+    --eval-samples once ended the resumed run in a KeyError (its first eval has pass@1..2, its last pass@1..4)."""
     out = str(tmp_path / "run")
     grpo.main(SMALL + ["--out", out, "--steps", "3"])
+    assert json.loads((tmp_path / "run" / "checkpoint-3" / "flags.json").read_text())["lr"] == 1e-3
     assert run(*SMALL, "--out", out, "--steps", "3") == (
         f"grpo.py: error: --out {out} holds a run: --resume continues it, --overwrite replaces it")
-    summary = grpo.main(SMALL + ["--out", out, "--steps", "4", "--resume", "--eval-samples", "4"])
-    assert "pass@4" not in summary["before"] and "pass@4" in summary["after"]
+    for flags, named in [(["--lr", "5e-4"], "--lr 0.001"), (["--lr", "5e-4", "--variant", "ta", "--seed", "1"],
+                                                           "--variant grpo, --lr 0.001, --seed 0"),
+                         (["--steps", "2"], "--steps 3 or more")]:
+        assert run(*SMALL, "--out", out, "--steps", "4", "--resume", *flags) == (
+            f"grpo.py: error: --resume: the run in {out} was trained with {named}")
+    summary = grpo.main(SMALL + ["--out", out, "--steps", "4", "--resume", "--eval-samples", "4", "--eval-every", "0",
+                                 "--save-every", "1", "--log-completions", "0", "--micro-batch-size", "1"])
+    assert "pass@4" not in summary["before"] and "pass@4" in summary["after"] and summary["steps"] == 4
     assert "pass@4 nan -> " in capsys.readouterr().out
     assert run(*SMALL, "--out", out, "--steps", "1", "--overwrite") is None
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
@@ -1670,7 +1769,7 @@ def test_log_completions_shows_one_group_as_text(variant, tmp_path, capsys):
     lines = [l for l in (shown.out + shown.err).splitlines() if re.match(r"step \d  r ", l)]
     assert [l[5] for l in lines] == ["1"] * (3 if variant == "lambda" else 2) + ["2"] * (3 if variant == "lambda" else 2)
     for line in lines:
-        reward, advantage = re.match(r"step \d  r (\d\.\d\d)  A ([-+]\d\.\d\d)  '", line).groups()
+        reward, advantage = re.match(r"step \d  r (\d\.\d\d)  A ([-+]\d\.\d\d)  <think>", line).groups()
         assert 0 <= float(reward) <= 1
 
 
@@ -2320,6 +2419,46 @@ def knobbed(folder, tmp_path):
                   begin_suppress_tokens=[8], min_new_tokens=5, max_new_tokens=2)
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+# A GSM8K-style reply in Qwen2.5's manner (a worked solution, the box, a remark with numbers after it), and one too long
+# for the length limit.
+JOSH = ("Josh earns $60 a week from his job.\n\nHe works for 2 weeks, so he makes:\n\\[\n60 \\times 2 = 120\n\\]\n\n"
+        "Therefore, Josh makes \\(\\boxed{120}\\) dollars in 2 weeks.")
+
+
+def test_a_run_shows_its_answers_and_truncations_on_a_real_tokenizer(tmp_path):
+    """Qwen2.5's tokenizer: frac_truncated is the share of completions that hit --max-new-tokens without EOS, and
+    show_group prints a completion's start and its end, where the answer is, on one line."""
+    import data.prepare as prepare
+    tok = prepare.qwen_tokenizer(tmp_path, "qwen2.5")
+    n = len(tok(JOSH, add_special_tokens=False).input_ids)
+    model = scripted(tok, {"Josh?": JOSH + "<|im_end|>", "Long?": JOSH + " " + JOSH}, eos=QWEN_EOS)
+    cfg = grpo.Config(system_prompt="", answer_from="last-number", max_new_tokens=n + 1, num_generations=2)
+    rows, metrics = grpo.rollout_grpo(model, tok, cfg, [{"question": q, "answer": "120", "rephrasings": []}
+                                                        for q in ("Josh?", "Long?")])
+    assert metrics["frac_truncated"].tolist() == [False, False, True, True] and rows.rewards.tolist() == [1, 1, 0, 0]
+    lines = []
+    grpo.tqdm.write, write = lines.append, grpo.tqdm.write
+    try:
+        grpo.show_group(tok, rows, 7)
+    finally:
+        grpo.tqdm.write = write
+    flat = " ".join(JOSH.split())
+    assert lines == [f"step 7  r 1.00  A +0.00  {flat[:30]} [...] {flat[-64:]}"] * 2
+    assert lines[0].endswith("Therefore, Josh makes \\(\\boxed{120}\\) dollars in 2 weeks.")
+
+
+def test_a_run_on_a_real_tokenizer_shows_the_reward_on_its_bar_and_logs_truncations(qwen, tmp_path, capsys):
+    sums = HERE / "data" / "sums"
+    grpo.main(["--model", str(qwen), "--data", str(sums / "train.jsonl"), "--test-data", str(sums / "test.jsonl"),
+               "--steps", "2", "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "6",
+               "--eval-limit", "2", "--eval-samples", "2", "--log-completions", "1", "--system-prompt", "",
+               "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert re.search(r"2/2 \[[^\]]*, reward \d\.\d{3}\]", err), err[-300:]  # tqdm's bar, its postfix
+    steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in l]
+    assert [l["frac_truncated"] for l in steps] == [1.0, 1.0]  # random weights write no EOS in 6 tokens
 
 
 def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
