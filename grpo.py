@@ -273,18 +273,19 @@ def extract_answer(text: str, answer_from: str = "tags"):
     if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
         return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
     word = re.sub(r"\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
-    if box is None:
-        return word
-    if word == "\\boxed{}":
-        return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box) or [box, box])[1]
+    if box is None or word != "\\boxed{}":  # a number, or a box that something touches
+        return None if box else word
+    return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box) or [box, box])[1]
 
 def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
-    """The default reward, called as TRL calls a reward function: 1.0 for each completion whose
-    answer score reads as its reference, else 0.0. TRL passes no `finished`, so there every
-    completion counts as finished. A TRL completion may also be a list of chat messages."""
+    """The default reward, called as TRL calls a reward function, as any --reward-fn is: the
+    prompts and completions as text, then each key of the data lines by name, with a value per
+    row. It gives 1.0 for each completion whose answer score reads as its reference, else 0.0.
+    grpo.py also passes `finished`; TRL does not, so there every completion counts as finished.
+    A TRL completion may also be a list of chat messages."""
     finished = finished or [True] * len(completions)
-    text = lambda c: c if isinstance(c, str) else c[-1]["content"]
-    return [score(text(c), a, f, answer_from) for c, a, f in zip(completions, answer, finished)]
+    return [score(c if isinstance(c, str) else c[-1]["content"], a, f, answer_from)
+            for c, a, f in zip(completions, answer, finished)]
 
 @functools.cache
 def reward_function(spec: str, answer_from: str):
@@ -298,10 +299,9 @@ def reward_function(spec: str, answer_from: str):
     return functions[name]
 
 def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
-    """The B rewards of what generate returns, from one call of the reward function as TRL makes
-    it: the prompts and completions as text, then each key of the rows' data lines as a keyword,
-    with a value per row, and finished. A row's prompt is its question unless given. Its
-    completion is scored after `before`, by default the response prefix."""
+    """The B rewards of what generate returns, from one call of the reward function, as correct
+    says. A row's prompt is its question unless given. Its completion is scored after `before`,
+    by default the response prefix."""
     texts = decode(tokenizer, *samples[:2])
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
@@ -311,8 +311,7 @@ def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
         prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
         finished=samples[2].tolist(), **columns), dtype=torch.float)
     if rewards.shape != (len(texts),) or not rewards.isfinite().all():
-        raise UserError(f"--reward-fn {cfg.reward_fn}: {rewards.numel()} rewards for {len(texts)} "
-                        f"completions, or one not finite")
+        raise UserError(f"--reward-fn {cfg.reward_fn}: wanted {len(texts)} finite rewards, got {rewards}")
     return rewards
 
 # 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).

@@ -16,12 +16,14 @@ Each question is asked in one of 8 problem-equivalent ways (4 wordings x 2 opera
 both numbers are equal) are its "rephrasings" (for TA-GRPO). 200 unordered pairs are held out (both orders) for test.jsonl.
 
 The tiny model is a ~0.5M-parameter Qwen2 with a character-level tokenizer, warm-started by a short supervised
-run on deliberately noisy worked solutions: with probability thought_noise[k] the thought has one wrong step
-(and the answer follows the wrong thought), then with probability answer_noise[k] the answer is off by 1 or 10.
-The noise grows with the wording k, so wordings differ in difficulty, and the model's answers follow its
-thoughts. The right answer ends up the mode but far from certain: room for RL to show gains.
+run on deliberately wrong worked solutions. A carry that is due is forgotten with probability forget_carry[k]
+(0.6: "7+8=15 c0 4+3+0=7", so 75), and the next column is summed without it. So on a question with a carry the
+model's most likely answer is wrong: its greedy accuracy starts near 0.5, and GRPO has a mistake to unlearn.
+On top of that, with probability thought_noise[k] the thought has one wrong step (the answer follows it), then
+with probability answer_noise[k] the answer is off by 1 or 10. This noise grows with the wording k, so wordings
+differ in difficulty, and the model's answers follow its thoughts.
 
-Premise knobs (flags; the defaults make the shipped files): --thought-noise and --answer-noise per wording
+Premise knobs (flags; the defaults make the shipped files): --forget-carry, --thought-noise and --answer-noise per wording
 (where the noise sits, GRPO-MA's premise), --order canonical (the thought puts the larger operand first, so a
 response to a rephrasing is also a valid response to the original question: TA-GRPO's anchoring premise),
 --digits 3 (a harder task, where pass@k at large k has room) and --sft-steps; --out picks the folder.
@@ -73,12 +75,13 @@ CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=()<>?.,:;!'\"\n")
 class Task:
     """What the data and the warm-start noise look like; the defaults make the shipped data and model.
     thought_noise[k] / answer_noise[k]: per wording k, the chance of one wrong step in the thought, then of an
-    answer off by 1 or 10 from what the thought implies. order: operands in the thought as phrased, or
+    answer off by 1 or 10 from what the thought implies. forget_carry[k]: the chance that a carry that is due is
+    written c0, with the next column summed without it. order: operands in the thought as phrased, or
     canonical (larger first), so that a response to one phrasing is also a valid response to the others.
     digits: 2 (10..99) or more (3: 100..999, a harder task)."""
     thought_noise: tuple = (0.0, 0.3, 0.6, 0.9)
     answer_noise: tuple = (0.05, 0.15, 0.25, 0.35)
-    forget_carry: tuple = (0.0, 0.0, 0.0, 0.0)
+    forget_carry: tuple = (0.6, 0.6, 0.6, 0.6)
     order: str = "phrased"
     digits: int = 2
     sft_steps: int = 400
