@@ -719,7 +719,8 @@ def test_a_bad_reward_function_stops_with_one_line(tmp_path):
         assert stop.startswith("grpo.py: error: ") and message in stop and "\n" not in stop, stop
         assert not (tmp_path / "run").exists()  # before anything loads
     stop = run(*SMALL, "--reward-fn", f"{tmp_path}/rewards.py:one_short", "--steps", "1", *out)
-    assert stop == f"grpo.py: error: --reward-fn {tmp_path}/rewards.py:one_short: 3 rewards for 4 completions, or one not finite"
+    assert stop == (f"grpo.py: error: --reward-fn {tmp_path}/rewards.py:one_short: wanted 4 finite rewards, got "
+                    "tensor([1., 1., 1.])")
 
 
 def test_the_default_reward_takes_trls_call():
@@ -894,7 +895,7 @@ def test_greedy_sampling_equals_hf_generate(tiny, qwen):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_sampled_tokens_follow_softmax_of_logits_over_temperature(tiny, temperature):
     model, tok = tiny
-    prompt = grpo.prompt_ids(tok, CFG, "sum of 47 and 38")  # next: 8 .81, 9 .13, 7 .06, ...
+    prompt = grpo.prompt_ids(tok, CFG, "sum of 47 and 38")  # next: 8 .78, 9 .17, 7 .04, 1 .005, ...
     prompt += tok("<think>7+8=15 c1 4+3+1=", add_special_tokens=False).input_ids
     N = 20000
     torch.manual_seed(0)
@@ -902,8 +903,10 @@ def test_sampled_tokens_follow_softmax_of_logits_over_temperature(tiny, temperat
     counts = torch.bincount(ids[:, 0], minlength=len(tok)).double()
     with torch.no_grad():
         probs = (model(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)
-    sigma = (probs * (1 - probs) / N).sqrt()
-    assert ((counts / N - probs).abs() <= 5 * sigma + 1e-9).all()
+    sigma, rare = (probs * (1 - probs) / N).sqrt(), probs * N < 20  # rare: a few samples, Poisson's, not normal
+    assert ((counts / N - probs).abs() <= 5 * sigma)[~rare].all()
+    tail = lambda k, mean: 1 - sum(math.exp(-mean) * mean ** j / math.factorial(j) for j in range(int(k)))  # P(X >= k)
+    assert all(tail(k, mean) > 3e-7 for k, mean in zip(counts[rare].tolist(), (probs * N)[rare].tolist()))
     assert (counts[probs == 0] == 0).all()
 
 
@@ -965,11 +968,13 @@ def rollout_rows(variant, model, tok, batch, **kw):
 
 @pytest.mark.parametrize("variant", ["grpo", "ma", "ta"])
 def test_logps_and_their_gradients_equal_hf_forward_row_by_row(tiny, variant):
-    """completion_logps over a micro-batch (left-padded contexts of different lengths, ragged right-padded
-    completions; MA's answers after prompt + thought, TA's after q0) against each row alone through HF's full
-    forward pass, values and parameter gradients, at T = 0.7."""
+    """completion_logps over a micro-batch (contexts and completions of different lengths, each row right-padded;
+    MA's answers after prompt + thought, TA's after q0) against each row alone through HF's full forward pass,
+    values and parameter gradients, at T = 0.7."""
     model, tok = tiny
-    rows = rollout_rows(variant, model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3])
+    train = grpo.load_jsonl(HERE / "data" / "train.jsonl")  # two sums below 100, one above: ragged completions
+    rows = rollout_rows(variant, model, tok, [ex for ex in train if int(ex["answer"]) < 100][:2] + [
+        ex for ex in train if int(ex["answer"]) >= 100][:1])
     assert len(set(map(len, rows.contexts))) > 1 and len(set(rows.completion_mask.sum(1).tolist())) > 1
     weights = torch.randn(rows.completion_ids.shape, generator=torch.Generator().manual_seed(0))
     results = []
@@ -1228,17 +1233,17 @@ def test_second_pass_of_a_reused_batch_takes_the_ratio_to_the_old_policy(tiny):
     model, tok = tiny
     rows = rollout_rows("grpo", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2])
     rows.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    config = lambda mu: grpo.Config(num_iterations=mu, epsilon=0.1, max_grad_norm=1e9)
+    config = lambda mu: grpo.Config(num_iterations=mu, epsilon=0.02, max_grad_norm=1e9)
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.5)
     after_one = copy.deepcopy(model)
     grpo.update(after_one, None, sgd(after_one), rows, config(1))
     with torch.no_grad():
         ratio = (hf_logps(after_one, rows, 1.0) - hf_logps(model, rows, 1.0)).exp()
     on, A = rows.completion_mask.bool(), rows.advantages[:, None].expand(ratio.shape)
-    low = ((ratio < 0.9) & (A < 0))[on].float().mean().item()
-    high = ((ratio > 1.1) & (A > 0))[on].float().mean().item()
+    low = ((ratio < 0.98) & (A < 0))[on].float().mean().item()
+    high = ((ratio > 1.02) & (A > 0))[on].float().mean().item()
     first = -A[on].mean().item()
-    second = -torch.min(ratio * A, ratio.clamp(0.9, 1.1) * A)[on].mean().item()
+    second = -torch.min(ratio * A, ratio.clamp(0.98, 1.02) * A)[on].mean().item()
     policy = copy.deepcopy(model)
     metrics = grpo.update(policy, None, sgd(policy), rows, config(2))
     assert low > 0 and high > 0, (low, high)
@@ -1432,11 +1437,21 @@ def test_premise_knobs_change_what_they_claim():
     import data.prepare as prepare
     n = 4000
     se = lambda p: (p * (1 - p) / n) ** 0.5 + 1e-9
-    for task in [prepare.Task(), prepare.Task((0.2, 0.4, 0.6, 0.8), (0.0,) * 4),
-                 prepare.Task((0.05, 0.1, 0.15, 0.2), (0.3, 0.4, 0.5, 0.6)), prepare.Task(digits=3)]:
+    remembers = (0.0,) * 4  # no carry forgotten: a wrong thought is then thought_noise's wrong step
+    for task in [prepare.Task(forget_carry=remembers), prepare.Task((0.2, 0.4, 0.6, 0.8), (0.0,) * 4, remembers),
+                 prepare.Task((0.05, 0.1, 0.15, 0.2), (0.3, 0.4, 0.5, 0.6), remembers),
+                 prepare.Task(forget_carry=remembers, digits=3)]:
         for (thought, answer), tn, an in zip(prepare.noise_rates(task, n), task.thought_noise, task.answer_noise):
             assert abs(thought - tn) < 4 * se(tn) and abs(answer - an) < 4 * se(an), (task, thought, answer)
     rng = random.Random(0)
+    for task in [prepare.Task((0.0,) * 4, (0.0,) * 4, (0.2, 0.4, 0.6, 0.8)), prepare.Task()]:  # the default: 0.6
+        for k, forget in enumerate(task.forget_carry):
+            due = [(a, b) for a, b in ((rng.randrange(10, 100), rng.randrange(10, 100)) for _ in range(n))
+                   if a % 10 + b % 10 >= 10]  # the units carry
+            written = [prepare.solution(a, b, rng, k, task) for a, b in due]
+            forgotten = sum(re.search(r"=1\d c0 ", w) is not None for w in written) / len(due)
+            noise = task.thought_noise[k] / 3  # the wrong step may flip the carry, either way
+            assert abs(forgotten - forget) < 4 * se(forget) + noise, (task, k, forgotten)
     for _ in range(2000):
         a, b, k = rng.randrange(10, 100), rng.randrange(10, 100), rng.randrange(4)
         phrased = prepare.solution(a, b, random.Random(1), k, prepare.Task(thought_noise=(0.0,) * 4))
@@ -1444,7 +1459,7 @@ def test_premise_knobs_change_what_they_claim():
         assert phrased.startswith(f"<think>{a % 10}+{b % 10}=")  # operands in the order they were asked
         assert canonical.startswith(f"<think>{max(a, b) % 10}+{min(a, b) % 10}=")  # larger first, whatever the wording
         assert canonical == prepare.solution(b, a, random.Random(1), k, prepare.Task((0.0,) * 4, order="canonical"))
-    three = prepare.solution(987, 123, random.Random(0), 0, prepare.Task((0.0,) * 4, (0.0,) * 4, digits=3))
+    three = prepare.solution(987, 123, random.Random(0), 0, prepare.Task((0.0,) * 4, (0.0,) * 4, remembers, digits=3))
     assert three == "<think>7+3=10 c1 8+2+1=11 c1 9+1+1=11</think><answer>1110</answer>"
 
 
