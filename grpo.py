@@ -225,9 +225,9 @@ BOXED_RE = re.compile(r"\s*(?:\\\$)?\s*(\S+?)\s*(?:\\?%|\\text\{\s*[A-Za-z][A-Za
 
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
-    extract_answer finds the answer; math-verify grades it against the reference as LaTeX.
-    Both sides lose whitespace, $, math delimiters, a final period and one \\boxed{} around all.
-    A numeric reference wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others
+    The answer is what extract_answer finds. Under math-verify, math_verify grades it as LaTeX.
+    Else both sides lose whitespace, $, math delimiters, a final period and one \\boxed{}. A
+    numeric reference wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others
     want the same text."""
     answer = extract_answer(text, answer_from)
     if not finished or answer is None:
@@ -278,10 +278,10 @@ def extract_answer(text: str, answer_from: str = "tags"):
     return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box) or [box, box])[1]
 
 def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
-    """The default reward, called as TRL calls a reward function, as any --reward-fn is: the
-    prompts and completions as text, then each key of the data lines by name, with a value per
-    row. It gives 1.0 for each completion whose answer score reads as its reference, else 0.0.
-    grpo.py also passes `finished`; TRL does not, so there every completion counts as finished.
+    """The default reward: 1.0 for each completion whose answer score reads as its reference, else
+    0.0. It is called as TRL calls a reward function, and so is any --reward-fn. The prompts and
+    completions come as text. Then each key of the data lines comes by name, a value per row.
+    grpo.py also passes `finished`. TRL does not, so there every completion counts as finished.
     A TRL completion may also be a list of chat messages."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f, answer_from)
@@ -310,8 +310,8 @@ def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
     rewards = torch.tensor(reward_function(cfg.reward_fn, cfg.answer_from)(
         prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
         finished=samples[2].tolist(), **columns), dtype=torch.float)
-    if rewards.shape != (len(texts),) or not rewards.isfinite().all():
-        raise UserError(f"--reward-fn {cfg.reward_fn}: wanted {len(texts)} finite rewards, got {rewards}")
+    if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # a float a completion
+        raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
 
 # 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).
@@ -486,18 +486,19 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
     Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    texts, question_of, q0_of = [], [], []  # for each phrasing: text, question, q0's phrasing
+    asked, question_of, q0_of = [], [], []  # for each phrasing: text, question, q0's phrasing
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        q0_of += [len(texts)] * (1 + len(drawn))  # q0 is the first of p's phrasings
-        texts += [ex["question"]] + drawn
+        q0_of += [len(asked)] * (1 + len(drawn))  # q0 is the first of p's phrasings
+        asked += [ex["question"]] + drawn
         question_of += [p] * (1 + len(drawn))
-    phrasings = [prompt_ids(tokenizer, cfg, text) for text in texts]
+    phrasings = [prompt_ids(tokenizer, cfg, text) for text in asked]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     group = torch.tensor(question_of).repeat_interleave(G)  # (B,) each row's question
     phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
     q0 = torch.tensor(q0_of).repeat_interleave(G)  # (B,) the phrasing of its question's q0
-    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg, [texts[j] for j in phrasing])
+    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg,
+                          [asked[j] for j in phrasing])  # each prompt as it was asked
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
     anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's q0, or its code's q_j
     mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
@@ -514,7 +515,7 @@ ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta"
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
     """Log softmax(logits / T) of each completion token, B by C, given its context and the
     tokens before it; 0 off the mask. One forward pass over each context + completion, no KV
-    cache. The rows are right-padded, so no position sees only padding: on CUDA such a position
+    cache. Each row is right-padded, so no position sees only padding. On CUDA such a position
     can turn the attention's backward pass to NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of n = 3 tokens, then its completion
@@ -543,7 +544,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     The weights w count the whole batch on all ranks. So a micro-batch's loss is its piece of -J,
     and the pieces summed over micro-batches and ranks are -J. Each backward adds up a rank's
     gradients, and sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
-    of progress: watch the reward. test_update_works_one_grpo_step_by_hand checks a step by hand."""
+    of progress: watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     # rows sorted by length pad less, and the order changes no sum, as w are shares of the batch
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
@@ -619,10 +620,11 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
-    """Greedy accuracy, and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
-    samples a question at the training temperature. A reward of 1 counts as right. Each pass
-    decodes --eval-batch-size rows a chunk, so a sampled chunk holds that over n questions. Chunk
-    c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
+    """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. They come from n =
+    --eval-samples samples a question at the training temperature. A reward of 1 counts as right.
+    Each pass decodes --eval-batch-size rows a chunk, so a sampled chunk holds that over n
+    questions. Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples
+    plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
@@ -633,7 +635,7 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
             torch.manual_seed(seed + c)
             chunk = examples[start:start + size]
             prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
-            s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, greedy=not sampled)
+            s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, not sampled)
             rewards = score_batch(tokenizer, s, [ex for ex in chunk for _ in range(rows)], cfg)
             right = (rewards == 1).view(len(chunk), rows).sum(1).tolist()  # (questions,)
             greedy += 0 if sampled else sum(right)
@@ -645,8 +647,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
         f"pass@{k}": total / len(examples) for k, total in enumerate(pass_k, 1)}
 
 def show_group(tokenizer, rows: Rows, step: int):
-    """Print the rows that share the first row's context: reward, advantage, and the text's start
-    and end, where the answer is. Whitespace prints as one space."""
+    """Print the rows that share the first row's context: reward, advantage, text. A long text
+    shows its start and its end, where the answer is. Whitespace prints as one space."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     for i, text in zip(shown, texts):  # a per-token advantage shows as its mean, 0s aside
@@ -790,12 +792,14 @@ def open_run(cfg: Config):
         raise UserError(f"--out {out} holds a run: --resume continues it, --overwrite replaces it")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
-    trained = list(vars(cfg))[:list(vars(cfg)).index("micro_batch_size")]  # Config's first flags
-    flags = json.loads((checkpoint / "flags.json").read_text()) if checkpoint else vars(cfg)
-    changed = [f"--{k.replace('_', '-')} {flags.get(k)}" for k in trained if flags.get(k) != getattr(
-        cfg, k)] + ([f"--steps {state['step']} or more"] if state and cfg.steps < state["step"] else [])
-    if changed:  # a resume trains what its run trained
-        raise UserError(f"--resume: the run in {out} was trained with {', '.join(changed)}")
+    if checkpoint:  # a resume trains what its run trained: Config's flags above micro_batch_size
+        flags, names = json.loads((checkpoint / "flags.json").read_text()), list(vars(cfg))
+        trained = names[:names.index("micro_batch_size")]
+        changed = [k for k in trained if flags.get(k) != getattr(cfg, k)]
+        changed += ["steps"] if cfg.steps < state["step"] else []  # --steps may only grow
+        if changed:
+            raise UserError(f"--resume: the run in {out} was trained with " + ", ".join(
+                f"--{k.replace('_', '-')} {flags.get(k)}" for k in changed))
     if rank != 0:
         return checkpoint, state, lambda record: None
     for path in [] if checkpoint else held:  # a fresh run replaces an old one
