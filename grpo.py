@@ -21,6 +21,7 @@ By default μ = 1. Then π_old is π itself, so ρ = 1 and nothing is clipped. T
 policy gradient -Σ w A ∇ log π. A batch is B rows by C completion tokens; Config has the defaults.
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
+A rollout fixes each w as a share of the whole batch, so update() needs no normaliser.
 
     grpo    the prompt of q; A_i normalised within q's G samples      DeepSeekMath, arXiv 2402.03300
     lambda  as grpo, with w_it divided by |λ(i,t)|: the samples of    λ-GRPO, arXiv 2509.21154
@@ -34,6 +35,7 @@ The variants change what a row holds: its context, its advantage A and its token
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. The reward reads one number or compares text. No LoRA: the reference is a
 full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
+Under torchrun the ranks split each batch; in one process the rank helpers of section 7 do nothing.
 """
 
 import functools, importlib.util, json, math, os, random, re, runpy, shutil, sys, time
@@ -165,7 +167,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
     less under λ-GRPO, to 2 with GRPO-MA's two parts. Counts are the whole batch's, on all ranks,
-    so the ranks' losses add up to its loss. TRL's bnpo counts a micro-batch; with ours it is dapo.
+    so the ranks' losses add up to its loss. TRL's bnpo divides by a micro-batch's tokens. Here
+    every weight counts the whole batch, so bnpo would be dapo, and it is left out.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -216,13 +219,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
-# 2. The reward. It is strict by being narrow. What it cannot read is a miss, never a guess,
-# because the policy would be trained toward a false positive. Model output is read, never run.
-NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
-PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
-# what a box may hold around its number: \$ before it; \%, % or a unit in \text{} after it
-BOXED_RE = re.compile(r"\s*(?:\\\$)?\s*(\S+?)\s*(?:\\?%|\\text\{\s*[A-Za-z][A-Za-z /]+\})?\s*")
-
+# 2. The reward: 1 if a completion ended with EOS and its answer is the reference, else 0. What
+# cannot be read is a miss, never a guess, because the policy would be trained toward a false
+# positive. Model output is read, never run. How the answer is found is in section 7.
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
     The answer is what extract_answer finds. Under math-verify, math_verify grades it as LaTeX.
@@ -241,42 +240,6 @@ def score(text: str, reference: str, finished: bool, answer_from: str = "tags") 
     a, ref = plain(answer).strip("*"), plain(reference)  # * is markdown's bold
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
-def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer that score reads, or None. It only splits and searches: linear time. The answer
-    follows the first </think>; a thought that never closes holds none.
-    - tags: what the last <answer>...</answer> holds. So does math-verify when there are tags.
-    - last-number, and math-verify without tags: what the last \\boxed{} holds. Its number may
-      carry \\$, % or a \\text{} unit. A box that never closes is a miss.
-    - last-number without a box: the last number, when only words, prose punctuation or "="
-      stand around it. Math delimiters count as spaces, so 'is \\( 45 \\).' reads 45.
-    The box, like the number, must stand as a word, with a word or "=" before it."""
-    if "<think>" in text and "</think>" not in text:
-        return None
-    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
-    if answer_from == "tags" or (answer_from == "math-verify" and "<answer>" in text):
-        start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
-        return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
-    text = re.sub(r"</?(?:think|answer)>|\\[()[\]]|(?<!\\)\$", " ", text)  # all spaces here
-    start, depth, box = text.rfind("\\boxed{"), 0, None
-    for brace in re.finditer("[{}]", text[start:] if start >= 0 else ""):  # to the box's own }
-        depth += 1 if brace[0] == "{" else -1
-        if depth == 0:  # the box, emptied, is the last word, with what touches it
-            box = text[start + 7:start + brace.end() - 1]
-            text = text[:start] + "\\boxed{}" + re.match(r"\S*", text[start + brace.end():])[0]
-            break
-    if (start >= 0 or answer_from == "math-verify") and box is None:
-        return None  # a box cut off by the length limit, or math-verify with nothing to grade
-    words = text.split()  # with a box, its word is the last: the words after it may hold numbers
-    at = [i for i, word in enumerate(words) if box is not None or re.search("[0-9]", word)]
-    prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in re.sub(r"\b-\b", "", word))
-    before = words[at[-1] - 1] if at and at[-1] else ""
-    if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
-        return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
-    word = re.sub(r"\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
-    if box is None or word != "\\boxed{}":  # a number, or a box that something touches
-        return None if box else word
-    return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box) or [box, box])[1]
-
 def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
     """The default reward: 1.0 for each completion whose answer score reads as its reference, else
     0.0. It is called as TRL calls a reward function, and so is any --reward-fn. The prompts and
@@ -287,21 +250,10 @@ def correct(prompts, completions, answer, finished=None, answer_from="tags", **c
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f, answer_from)
             for c, a, f in zip(completions, answer, finished)]
 
-@functools.cache
-def reward_function(spec: str, answer_from: str):
-    """--reward-fn FILE.py:NAME, a function of yours, or else correct. The file runs as a script."""
-    if not spec:
-        return functools.partial(correct, answer_from=answer_from)
-    path, _, name = spec.rpartition(":")
-    functions = runpy.run_path(path) if path.endswith(".py") else {}  # a missing file: OSError
-    if not callable(functions.get(name)):
-        raise UserError(f"--reward-fn {spec}: wanted FILE.py:NAME, a function in that file")
-    return functions[name]
-
 def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
     """The B rewards of what generate returns, from one call of the reward function, as correct
-    says. A row's prompt is its question unless given. Its completion is scored after `before`,
-    by default the response prefix."""
+    describes. The prompts are the rows' questions, or `prompts` when given. Each completion is
+    scored with `before` in front of it, by default the response prefix."""
     texts = decode(tokenizer, *samples[:2])
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
@@ -484,7 +436,13 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 with up to N of its rephrasings q_j, drawn afresh each step, and
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
-    Under --ta-anchor original every context is q0; under rephrased, each response's q_j."""
+    Under --ta-anchor original every context is q0; under rephrased, each response's q_j.
+    Two questions, N = 1, G = 2; phrasings are indexed in the order they were asked:
+
+        phrasing  asked          question_of  q0_of   rows  context: original, rephrased
+        0         q0 of Q0       0            0       0 1   phrasing 0, phrasing 0
+        1         q1 of Q0       0            0       2 3   phrasing 0, phrasing 1
+        2         q0 of Q1       1            2       4 5   phrasing 2, phrasing 2"""
     G, N = cfg.num_generations, cfg.num_rephrasings
     asked, question_of, q0_of = [], [], []  # for each phrasing: text, question, q0's phrasing
     for p, ex in enumerate(batch):
@@ -698,7 +656,6 @@ class Config:
     max_grad_norm: float = 1.0
     seed: int = 0
     autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
-    # what is trained is set above; a --resume may change the flags below (--steps only upward)
     micro_batch_size: int = 64  # rows per forward and backward pass of the update
     gradient_checkpointing: bool = False  # less activation memory for more compute
     steps: int = 100
@@ -712,6 +669,11 @@ class Config:
     out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
     resume: bool = False  # continue the run in --out from its checkpoint, or start it
     overwrite: bool = False  # replace a run in --out, which without it or --resume stops
+
+# The flags that change no training, so a --resume may change them.
+RESUMABLE = {"micro_batch_size", "gradient_checkpointing", "steps", "test_data", "eval_every",
+             "eval_samples", "eval_limit", "eval_batch_size", "log_completions", "save_every", "out",
+             "resume", "overwrite"}
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -755,6 +717,60 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
         raise UserError(f"{path}: {len(examples)} examples, fewer than {at_least}")
     return examples
 
+# How an answer is read from a completion, and --reward-fn found. Both serve section 2.
+NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
+PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
+# what a box may hold around its number: \$ before it; \%, % or a unit in \text{} after it. Each
+# part has one way to match, so a failed match costs linear time.
+BOXED_RE = re.compile(r"(?:\\\$)?(\S+?)(?:\\?%|(?:\s|\\,)*\\text\{ *[A-Za-z][A-Za-z /]+\})?")
+
+def extract_answer(text: str, answer_from: str = "tags"):
+    """The answer that score reads, or None. It only splits and searches: linear time. The answer
+    follows the first </think>; a thought that never closes holds none.
+    - tags: what the last <answer>...</answer> holds. So does math-verify when there are tags.
+    - last-number, and math-verify without tags: what the last \\boxed{} holds. Its number may
+      carry \\$, % or a \\text{} unit. A box that never closes is a miss.
+    - last-number without a box: the last number, when only words, prose punctuation or "="
+      stand around it. Math delimiters count as spaces, so 'is \\( 45 \\).' reads 45.
+    The box, like the number, must stand as a word, with a word or "=" before it."""
+    if "<think>" in text and "</think>" not in text:
+        return None
+    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
+    if answer_from == "tags" or (answer_from == "math-verify" and "<answer>" in text):
+        start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
+        return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
+    text = re.sub(r"</?(?:think|answer)>|\\[()[\]]|(?<!\\)\$", " ", text)  # all spaces here
+    start, depth, box = text.rfind("\\boxed{"), 0, None
+    for brace in re.finditer("[{}]", text[start:] if start >= 0 else ""):  # to the box's own }
+        depth += 1 if brace[0] == "{" else -1
+        if depth == 0:  # the box, emptied, is the last word, with what touches it
+            box = text[start + 7:start + brace.end() - 1]
+            text = text[:start] + "\\boxed{}" + re.match(r"\S*", text[start + brace.end():])[0]
+            break
+    if (start >= 0 or answer_from == "math-verify") and box is None:
+        return None  # a box cut off by the length limit, or math-verify with nothing to grade
+    words = text.split()  # with a box, its word is the last: the words after it may hold numbers
+    at = [i for i, word in enumerate(words) if box is not None or re.search("[0-9]", word)]
+    prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in re.sub(r"\b-\b", "", word))
+    before = words[at[-1] - 1] if at and at[-1] else ""
+    if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
+        return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
+    word = re.sub(r"\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
+    if box is None or word != "\\boxed{}":  # a number, or a box that something touches
+        return None if box else word
+    return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box.strip()) or [box, box])[1]
+
+@functools.cache
+def reward_function(spec: str, answer_from: str):
+    """--reward-fn FILE.py:NAME, a function of yours, or else correct. The file runs as a script."""
+    if not spec:
+        return functools.partial(correct, answer_from=answer_from)
+    path, _, name = spec.rpartition(":")
+    functions = runpy.run_path(path) if path.endswith(".py") else {}  # a missing file: OSError
+    if not callable(functions.get(name)):
+        raise UserError(f"--reward-fn {spec}: wanted FILE.py:NAME, a function in that file")
+    return functions[name]
+
 def load_model(path: str, device, dtype=torch.float32):
     """Model and tokenizer from a local folder or the hub, with a pad token."""
     transformers.utils.logging.disable_progress_bar()  # no bar per weight file
@@ -792,10 +808,9 @@ def open_run(cfg: Config):
         raise UserError(f"--out {out} holds a run: --resume continues it, --overwrite replaces it")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
-    if checkpoint:  # a resume trains what its run trained: Config's flags above micro_batch_size
-        flags, names = json.loads((checkpoint / "flags.json").read_text()), list(vars(cfg))
-        trained = names[:names.index("micro_batch_size")]
-        changed = [k for k in trained if flags.get(k) != getattr(cfg, k)]
+    if checkpoint:  # a resume trains what its run trained: only RESUMABLE flags may change
+        flags = json.loads((checkpoint / "flags.json").read_text())
+        changed = [k for k in vars(cfg) if k not in RESUMABLE and flags.get(k) != getattr(cfg, k)]
         changed += ["steps"] if cfg.steps < state["step"] else []  # --steps may only grow
         if changed:
             raise UserError(f"--resume: the run in {out} was trained with " + ", ".join(

@@ -401,7 +401,7 @@ WRAPPINGS = ["\\({}\\)", "\\[ {} \\]", "\\[\n{}\n\\]", "${}$", "$ {} $"]  # Qwen
 
 
 # What a box may hold around its number under last-number: of NOW_MISSES, only these read inside a \\boxed{}.
-BOXED_UNITS = [("50\\%", "50"), ("5\\text{ cm}", "5")]
+BOXED_UNITS = [("50\\%", "50"), ("5\\text{ cm}", "5"), ("5\\,\\text{cm}", "5")]
 
 
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
@@ -775,6 +775,9 @@ def test_the_tag_reader_is_its_definition_and_reads_in_linear_time():
     hostile = "<think>x</think>" + "<answer>" * 125_000 + "7"
     assert grpo.score(hostile, "7", True) == 0.0 and grpo.score(hostile + "</answer>", "7", True) == 1.0
     assert grpo.score(("so 7 " * 200_000).strip(), "7", True, "last-number") == 1.0
+    n = 500_000  # the box reader's first regex (\\s* twice around a lazy group) backtracked: 10 kB did not finish
+    for box in (" " * n + "5 5", "5" + " " * n + "x", "\\$" + " " * n + "5" + " " * n + "x", "5\\text{" + "a" * n + "}x"):
+        assert grpo.score(f"so \\boxed{{{box}}}", "5", True, "last-number") == 0.0
 
 # -----------------------------------------------------------------------------
 # Sampler and log-probs
