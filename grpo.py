@@ -234,8 +234,8 @@ def score(text: str, reference: str, finished: bool, answer_from: str = "tags") 
     if answer_from == "math-verify":
         from math_verify import parse, verify  # parse_args made sure it is installed
         return float(verify(parse(f"${reference}$"), parse(f"${answer}$")))
-    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1",
-                             re.sub(r"\s|\\?\$|\\[()[\]]", "", s).rstrip("."))
+    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1", re.sub(  # 1 5 and 5$5 stay apart
+        r"(?<![0-9,])\s|\s(?![0-9])|(?<![0-9])\\?\$|\\?\$(?![0-9])|\\[()[\]]", "", s).rstrip("."))
     num = lambda s: Fraction(s.replace(",", "")) if NUMBER_RE.fullmatch(s) and len(s) < 99 else None
     a, ref = plain(answer).strip("*"), plain(reference)  # * is markdown's bold
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
@@ -672,8 +672,8 @@ class Config:
 
 # The flags that change no training, so a --resume may change them.
 RESUMABLE = {"micro_batch_size", "gradient_checkpointing", "steps", "test_data", "eval_every",
-             "eval_samples", "eval_limit", "eval_batch_size", "log_completions", "save_every", "out",
-             "resume", "overwrite"}
+             "eval_samples", "eval_limit", "eval_batch_size", "log_completions", "save_every",
+             "out", "resume", "overwrite"}
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -720,9 +720,14 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
 # How an answer is read from a completion, and --reward-fn found. Both serve section 2.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
-# what a box may hold around its number: \$ before it; \%, % or a unit in \text{} after it. Each
-# part has one way to match, so a failed match costs linear time.
-BOXED_RE = re.compile(r"(?:\\\$)?(\S+?)(?:\\?%|(?:\s|\\,)*\\text\{ *[A-Za-z][A-Za-z /]+\})?")
+# words that change the number after or before them: 2 * 8, not 8, 3 or 8; 8 thousand, 8 squared
+NOT_BEFORE = {"*", "x", ":", "not", "negative", "minus", "plus", "times", "over", "than", "point",
+              "and", "or"}
+NOT_AFTER = {"and", "hundred", "thousand", "million", "billion", "k", "squared", "cubed"}
+# what a box may hold around its number: \$ before it; \%, % or a unit of one or two words in
+# \text{} after it. Each part has one way to match, so a failed match costs linear time.
+BOXED_RE = re.compile(r"(?:\\\$)?(\S+?)(?:\\?%|(?:\s|\\[,; ]|~)*\\text\{ *(?!(?:" + "|".join(
+    NOT_AFTER) + r")\b)[A-Za-z][A-Za-z/]+(?: [A-Za-z/]+)? *\})?")
 
 def extract_answer(text: str, answer_from: str = "tags"):
     """The answer that score reads, or None. It only splits and searches: linear time. The answer
@@ -730,9 +735,10 @@ def extract_answer(text: str, answer_from: str = "tags"):
     - tags: what the last <answer>...</answer> holds. So does math-verify when there are tags.
     - last-number, and math-verify without tags: what the last \\boxed{} holds. Its number may
       carry \\$, % or a \\text{} unit. A box that never closes is a miss.
-    - last-number without a box: the last number, when only words, prose punctuation or "="
-      stand around it. Math delimiters count as spaces, so 'is \\( 45 \\).' reads 45.
-    The box, like the number, must stand as a word, with a word or "=" before it."""
+    - last-number without a box: the last number, when only words and prose punctuation follow.
+    The box, like the number, must stand as a word, with a word or "=" before it. Words that
+    change a number, such as 'not' before it or 'thousand' after it, make a miss. Math
+    delimiters count as spaces, so 'is \\( 45 \\).' reads 45, and so does '45%'."""
     if "<think>" in text and "</think>" not in text:
         return None
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
@@ -743,22 +749,32 @@ def extract_answer(text: str, answer_from: str = "tags"):
     start, depth, box = text.rfind("\\boxed{"), 0, None
     for brace in re.finditer("[{}]", text[start:] if start >= 0 else ""):  # to the box's own }
         depth += 1 if brace[0] == "{" else -1
-        if depth == 0:  # the box, emptied, is the last word, with what touches it
-            box = text[start + 7:start + brace.end() - 1]
-            text = text[:start] + "\\boxed{}" + re.match(r"\S*", text[start + brace.end():])[0]
+        if depth == 0:  # the box, emptied, becomes one word with what touches it
+            box, text = text[start + 7:start + brace.end() - 1], text[:start] + "\\boxed{}" + text[
+                start + brace.end():]
             break
     if (start >= 0 or answer_from == "math-verify") and box is None:
         return None  # a box cut off by the length limit, or math-verify with nothing to grade
-    words = text.split()  # with a box, its word is the last: the words after it may hold numbers
-    at = [i for i, word in enumerate(words) if box is not None or re.search("[0-9]", word)]
+    words = text.split()
+    at = [i for i, word in enumerate(words) if ("\\boxed{}" in word if box is not None
+                                                else re.search("[0-9]", word))]
+    if not at:
+        return None
+    before, after = words[at[-1] - 1] if at[-1] else "", words[at[-1] + 1:]
     prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in re.sub(r"\b-\b", "", word))
-    before = words[at[-1] - 1] if at and at[-1] else ""
-    if not (at and (prose(before) or before == "=") and all(map(prose, words[at[-1] + 1:]))):
-        return None  # a sign, relation or operator beside it, as in '- 8', 'x ≥ 8', '8 - x'
-    word = re.sub(r"\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
+    beside = lambda word, no: prose(word) and (word.strip(PROSE).lower() or word) not in no
+    if not (beside(before, NOT_BEFORE) or before in ("=", "&=")):
+        return None  # a sign, relation or operator before it, as in '- 8', 'x ≥ 8', 'not 8'
+    if after and not (beside(after[0], NOT_AFTER) or box is not None and re.match(
+            r"[0-9]+-?[A-Za-z]|\\text\{|\\end\{|\\?%", after[0])):
+        return None  # an operator or a scale after it, as in '8 - x', '8 thousand', '\boxed{8}^2'
+    if box is None and not all(map(prose, after)):
+        return None  # only words follow the last number; a box's later words may hold numbers
+    word = re.sub(r"^\\\$|\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
     if box is None or word != "\\boxed{}":  # a number, or a box that something touches
         return None if box else word
-    return box if answer_from == "math-verify" else (BOXED_RE.fullmatch(box.strip()) or [box, box])[1]
+    number = BOXED_RE.fullmatch(box.strip())  # else the box is read as it is
+    return number[1] if number and answer_from != "math-verify" else box
 
 @functools.cache
 def reward_function(spec: str, answer_from: str):

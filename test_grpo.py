@@ -617,6 +617,51 @@ def test_score_batch_scores_each_text_after_its_prefix(tiny):
                             rows_of("8", 4), CFG, before=before).tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
+# Found by a hostile tester of the box-first reader, each read as the reference by its first form: words and
+# operators beside a box or a number that change its value, a unit slot holding words, digits that whitespace kept
+# apart, sign and scale words. Each is a miss under last-number.
+AROUND_AN_ANSWER = [
+    ('The answer is \\boxed{5} thousand.', '5'), ('\\boxed{5} 000', '5'), ('\\boxed{5} \\times 10^3', '5'),
+    ('\\boxed{5} ^2', '5'), ('$\\boxed{5} \\cdot 2 = 10$', '5'), ('\\boxed{5} + 3 = 8', '5'),
+    ('\\boxed{5} \\frac{1}{2}', '5'), ('The answer is \\boxed{5}$^2$', '5'), ('The answer is $\\boxed{5}$$^2$', '5'),
+    ('The answer is \\(\\boxed{5}\\)^2', '5'), ('The answer is \\(\\boxed{5}\\)\\(\\times 2\\)', '5'),
+    ('The answer is \\boxed{5\\text{ thousand}}.', '5'), ('\\boxed{5 \\text{ million dollars}}', '5'),
+    ('\\boxed{5 \\text{ hundred thousand}}', '5'), ('\\boxed{5\\text{ squared}}', '5'),
+    ('\\boxed{5\\text{ less than x}}', '5'), ('\\boxed{5 \\text{ and a half}}', '5'),
+    ('\\boxed{\\$5\\text{ thousand}}', '5'), ('\\boxed{4, 500}', '4500'), ('\\boxed{1 5}', '15'),
+    ('The answer is 5\\$5.', '55'), ('The total is 2 * 5', '5'), ('The total is 2 * \\boxed{5}', '5'),
+    ('The area is 3 x 5', '5'), ('The area is 3 x \\boxed{5}', '5'), ('The ratio is 3 : 5', '5'),
+    ('The answer is negative 5.', '5'), ('The answer is minus \\boxed{5}.', '5'),
+    ('The answer is not \\boxed{5}.', '5'), ('x is less than 5.', '5'), ('The answer is 5 thousand.', '5'),
+    ('The answer is 5 million.', '5'), ('The answer is 5 K.', '5'), ('The answer is 5 squared.', '5'),
+    ('It takes 5 and a half hours.', '5'), ('The answer is 5 point 5', '5'), ('The answer is 2 times 5.', '5'),
+    ('The answer is 1 over 5', '5'), ('The answer is between 3 and 5.', '5'), ('The answer is 4 or 5.', '5'),
+    ('\\boxed{4} or \\boxed{5}', '5'), ('Janet earns \\$18 every day, which is \\$126 over 7 days.', '7'),
+    ('It took 5 hours and 30 minutes.', '30'),
+]
+# What Qwen-style replies may hold that the first form missed, or that the words above must not break.
+READ_AS_ANSWERS = [
+    ('Therefore, Janet makes \\$\\boxed{18} every day.', '18'),
+    ('\\begin{align*} 9 \\times 2 &= \\boxed{18} \\end{align*}', '18'),
+    ('\\boxed{18\\ \\text{dollars}}', '18'),
+    ('\\boxed{18~\\text{dollars}}', '18'),
+    ('\\boxed{18 \\, \\text{dollars}}', '18'),
+    ('so \\(\\boxed{10}\\)% more', '10'),
+    ('\\boxed{3} 30-minute episodes', '3'),
+    ('It rang \\(\\boxed{22}\\) times.', '22'),
+    ('the mug must be at least 68 degrees', '68'),
+    ('\\boxed{18} \\text{ dollars}', '18'),
+]
+
+
+def test_what_changes_a_number_beside_it_is_a_miss_and_the_forms_qwen_writes_read():
+    assert [grpo.score(text, reference, True, "last-number") for text, reference in AROUND_AN_ANSWER] == [
+        0.0] * len(AROUND_AN_ANSWER)
+    assert [grpo.score(text, reference, True, "last-number") for text, reference in READ_AS_ANSWERS] == [
+        1.0] * len(READ_AS_ANSWERS)
+    assert grpo.score("<answer>4, 500</answer>", "4500", True) == 0.0  # the tags keep digits apart too
+
+
 # Where math_verify 0.9.0 (--answer-from math-verify) and the narrow reader disagree on the tables above:
 # (answer, reference, narrow reward, math_verify's). It reads the answer as LaTeX: it credits symbolic equality
 # ('\\frac{1}{2}' is 0.5, '\\sqrt[3]{8}' is 2), reads words as symbols ('18 eggs' is 18·e·g·g·s) and what a \\boxed{}
