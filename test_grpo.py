@@ -1625,16 +1625,17 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
 
 
 def test_a_seeded_run_learns_alike_in_float32_and_under_cpu_bf16_autocast(tmp_path, capsys):
-    """40 steps of the default run, in float32 and under bf16 autocast on the CPU, the code path a GPU takes: pass@1
-    on 100 held-out questions rises alike (+0.151 and +0.166 here). With autocast's cache of bf16 weights left
-    stale after each step (torch.clear_autocast_cache removed from update), the bf16 run gains only +0.065."""
+    """40 steps of the default run, in float32 and under bf16 autocast on the CPU, the code path a GPU takes: on 100
+    held-out questions pass@1 rises +0.270 and +0.249 here, greedy +0.42 in both. With autocast's cache of bf16
+    weights left stale after each step (torch.clear_autocast_cache removed from update), the bf16 run gains +0.010 in
+    pass@1 and 0.0 in greedy (seed 1: +0.037 and 0.0)."""
     gains = {}
     for autocast in ("off", "bf16"):
         summary = grpo.main(["--out", str(tmp_path / autocast), "--steps", "40", "--eval-limit", "100",
                              "--eval-every", "0", "--log-completions", "0", "--autocast", autocast])
         assert capsys.readouterr().out.startswith(f"grpo.py: cpu, weights torch.float32, autocast {autocast}\n")
-        gains[autocast] = summary["after"]["pass@1"] - summary["before"]["pass@1"]
-    assert gains["off"] > 0.11 and gains["bf16"] > 0.11, gains
+        gains[autocast] = [summary["after"][k] - summary["before"][k] for k in ("pass@1", "greedy")]
+    assert all(pass1 > 0.15 and greedy > 0.2 for pass1, greedy in gains.values()), gains
 
 
 @pytest.mark.parametrize("variant", ["lambda", "ma", "ta"])
