@@ -35,7 +35,7 @@ A rollout fixes each w as a share of the whole batch, so update() needs no norma
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. The reward reads one number or compares text. No LoRA: the reference is a
 full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
-Under torchrun the ranks split each batch; in one process the rank helpers of section 7 do nothing.
+Under torchrun the ranks split each batch. In one process the rank helpers of section 7 do nothing.
 """
 
 import functools, importlib.util, json, math, os, random, re, runpy, shutil, sys, time
@@ -64,7 +64,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    The eps makes 0.5 read 0.4999. A group of equal rewards gets exactly 0, not float noise / eps.
+    Because of eps, 0.5 prints as 0.4999. A group of equal rewards gets exactly 0, not noise / eps.
     """
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group: GRPO-MA's groups are ragged
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sum by id, not by view
@@ -116,9 +116,10 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j, and no importance weight corrects for that. This
-    is off-policy on purpose, as in arXiv 2601.22478v5, because the rephrasings explore. Its code
-    conditions on each response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO.
+    So π given q0 learns from samples given q_j. No importance weight corrects for that, so the
+    gradient is biased for π(· | q0). This is off-policy on purpose, as in arXiv 2601.22478v5,
+    because the rephrasings explore. Its code conditions on each response's own q_j, as
+    --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO.
     """
     return group_advantages(rewards, question, scale, eps)
 
@@ -168,7 +169,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
     less under λ-GRPO, to 2 with GRPO-MA's two parts. Counts are the whole batch's, on all ranks,
     so the ranks' losses add up to its loss. TRL's bnpo divides by a micro-batch's tokens. Here
-    every weight counts the whole batch, so bnpo would be dapo, and it is left out.
+    every weight counts the whole batch, so bnpo, which depends on the split, is left out.
     """
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
@@ -224,7 +225,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # positive. Model output is read, never run. How the answer is found is in section 7.
 def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
-    The answer is what extract_answer finds. Under math-verify, math_verify grades it as LaTeX.
+    The answer is what extract_answer (section 7) finds. math-verify grades it as LaTeX.
     Else both sides lose whitespace, $, math delimiters, a final period and one \\boxed{}. A
     numeric reference wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others
     want the same text."""
@@ -243,8 +244,8 @@ def score(text: str, reference: str, finished: bool, answer_from: str = "tags") 
 def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
     """The default reward: 1.0 for each completion whose answer score reads as its reference, else
     0.0. It is called as TRL calls a reward function, and so is any --reward-fn. The prompts and
-    completions come as text. Then each key of the data lines comes by name, a value per row.
-    grpo.py also passes `finished`. TRL does not, so there every completion counts as finished.
+    completions come as text. Then each key of the data lines comes by name, with a value per
+    row. grpo.py also passes `finished`. TRL does not, so there every completion counts as finished.
     A TRL completion may also be a list of chat messages."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f, answer_from)
@@ -262,7 +263,7 @@ def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
     rewards = torch.tensor(reward_function(cfg.reward_fn, cfg.answer_from)(
         prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
         finished=samples[2].tolist(), **columns), dtype=torch.float)
-    if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # a float a completion
+    if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # one float per completion
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
 
@@ -334,7 +335,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # row i is out's row
+        for i, row in enumerate(active.tolist() if stop_strings else []):  # token[i] is out's row
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
             ended[i] |= any(s in texts[row] for s in stop_strings)  # what follows it stays
         if ended.any():  # optional, for speed: ended rows leave the batch and the cache
@@ -437,7 +438,7 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 with up to N of its rephrasings q_j, drawn afresh each step, and
     G responses to each. Advantages are normalised over the question's N+1 times G responses.
     Under --ta-anchor original every context is q0; under rephrased, each response's q_j.
-    Two questions, N = 1, G = 2; phrasings are indexed in the order they were asked:
+    Two questions, N = 1, G = 2. Q1 has no rephrasing. Phrasings are numbered as asked:
 
         phrasing  asked          question_of  q0_of   rows  context: original, rephrased
         0         q0 of Q0       0            0       0 1   phrasing 0, phrasing 0
@@ -609,7 +610,7 @@ def show_group(tokenizer, rows: Rows, step: int):
     shows its start and its end, where the answer is. Whitespace prints as one space."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
-    for i, text in zip(shown, texts):  # a per-token advantage shows as its mean, 0s aside
+    for i, text in zip(shown, texts):  # per-token advantages show as their mean where not 0
         a = rows.advantages[i].sum() / rows.advantages[i].count_nonzero().clamp(min=1)
         text = " ".join(text.split())
         text = text if len(text) <= 100 else f"{text[:30]} [...] {text[-64:]}"
@@ -720,7 +721,8 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
 # How an answer is read from a completion, and --reward-fn found. Both serve section 2.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
-# words that change the number after or before them: 2 * 8, not 8, 3 or 8; 8 thousand, 8 squared
+# Words that change the number they stand before or after: '2 * 8', 'not 8', '3 or 8' before it;
+# '8 thousand', '8 squared' after it.
 NOT_BEFORE = {"*", "x", ":", "not", "negative", "minus", "plus", "times", "over", "than", "point",
               "and", "or"}
 NOT_AFTER = {"and", "hundred", "thousand", "million", "billion", "k", "squared", "cubed"}
