@@ -1,7 +1,7 @@
 """grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
 
     python grpo.py                  # GRPO on the tiny model in data/: CPU, offline, ~1 min
-    python grpo.py --variant ma     # or lambda, ta; README.md: real models, torchrun
+    python grpo.py --variant ma     # or ta; --lambda-weights with any; README.md: real models
 
 One GRPO step, as train runs it:
 
@@ -18,31 +18,37 @@ One GRPO step, as train runs it:
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
 By default μ = 1. Then π_old is π itself, so ρ = 1 and nothing is clipped. The gradient is the
-policy gradient -Σ w A ∇ log π. A batch is B rows by C completion tokens; Config has the defaults.
+policy gradient -Σ w A ∇ log π. Config has the defaults.
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
 A rollout fixes each w as a share of the whole batch, so update() needs no normaliser.
 
     grpo    the prompt of q; A_i normalised within q's G samples      DeepSeekMath, arXiv 2402.03300
-    lambda  as grpo, with w_it divided by |λ(i,t)|: the samples of    λ-GRPO, arXiv 2509.21154
-            the group that share o_i's tokens 0..t
     ma      K thoughts per q, then M answers after prompt + thought;  GRPO-MA, arXiv 2509.24494
             a thought's A from the mean reward V of its answers;
             thoughts and answers are two parts of the loss
     ta      q0 and N rephrasings, G samples each; A over all (N+1)·G  TA-GRPO, arXiv 2601.22478
             of q0; every context is q0's prompt
+    --lambda-weights, with any of them: w_it divided by |λ(i,t)|,    λ-GRPO, arXiv 2509.21154
+            the rows of i's context that share o_i's tokens 0..t
+
+The symbols, one meaning each:
+    B rows of a batch, C completion tokens a row (padded), P prompts a step, G samples a prompt
+    K thoughts a prompt and M answers a thought (ma), N rephrasings and q0 the original (ta)
+    A advantage, w a token's weight, ρ ratio, μ updates a batch, ε clip, β KL coefficient
 
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
-trainer's forward pass. The reward reads one number or compares text. No LoRA: the reference is a
-full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's rephrasings come from the data file.
-Under torchrun the ranks split each batch. In one process the rank helpers of section 7 do nothing.
+trainer's forward pass. The reward reads the answer tags; data/rewards.py reads real models.
+No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's
+rephrasings come from the data file. Under torchrun the ranks split each batch. In one process
+the rank helpers of section 7 do nothing.
 """
 
-import functools, importlib.util, json, math, os, random, re, runpy, shutil, sys, time
+import functools, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import transformers
@@ -123,12 +129,13 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     """
     return group_advantages(rewards, question, scale, eps)
 
-def lambda_weights(completion_ids, completion_mask, group_size: int):
-    """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask.
+def lambda_weights(completion_ids, completion_mask, groups):
+    """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask. Rows share a group id when they
+    continue the same context. Groups may be of any size and in any order; rows are right-padded.
 
-    The count |λ(i,t)| is of the completions of i's group that agree with i on tokens 0 to t, i
-    itself and exact duplicates included. So a prefix that k completions share is trained once,
-    not k times. A group is group_size consecutive rows, each right-padded. A group of 6:
+    The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t, i itself
+    and exact duplicates included. So a prefix that k completions share is trained once, not k
+    times. A group of 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -137,22 +144,25 @@ def lambda_weights(completion_ids, completion_mask, group_size: int):
         J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
         V W Y Z            1   1   1   1
 
-    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 0]])
-    >>> lambda_weights(ids, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]]), 3)
+    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 0], [1, 2, 3]])
+    >>> lambda_weights(ids, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]]),
+    ...                torch.tensor([0, 0, 0, 1]))
     tensor([[0.5000, 0.5000, 1.0000],
             [0.5000, 0.5000, 1.0000],
-            [1.0000, 1.0000, 0.0000]])
+            [1.0000, 1.0000, 0.0000],
+            [1.0000, 1.0000, 1.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
-    policy and the KL terms, not the normaliser. Memory: ~4·B·G·C bytes.
-    """
+    policy and the KL terms, not the normaliser. It walks the groups' prefix trees a token at a
+    time: C sorts of B pairs."""
     B, C = completion_ids.shape
-    ids = completion_ids.reshape(-1, group_size, C)  # (groups, G, C)
-    mask = completion_mask.reshape(-1, group_size, C).bool()
-    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, C)
-    # a running product turns "equal at t" into "equal up to t"
-    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)  # |λ|, (groups, G, C)
-    return torch.where(mask, 1.0 / counts.clamp(min=1), 0.0).reshape(B, C)
+    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # no group's id
+    node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
+    for t in range(C):  # rows in one node of the tree that agree on token t go to one child node
+        pair = torch.stack([torch.where(mask[:, t], node, off), completion_ids[:, t]], 1)
+        node = pair.unique(dim=0, return_inverse=True)[1]  # (B,) each row's node after token t
+        counts[:, t] = node.bincount()[node]  # |λ|: the rows that share that node
+    return torch.where(mask, 1.0 / counts, 0.0)
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
@@ -222,47 +232,52 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
 # 2. The reward: 1 if a completion ended with EOS and its answer is the reference, else 0. What
 # cannot be read is a miss, never a guess, because the policy would be trained toward a false
-# positive. Model output is read, never run. How the answer is found is in section 7.
-def score(text: str, reference: str, finished: bool, answer_from: str = "tags") -> float:
-    """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0.
-    The answer is what extract_answer (section 7) finds. math-verify grades it as LaTeX.
-    Else both sides lose whitespace, $, math delimiters, a final period and one \\boxed{}. A
-    numeric reference wants the same value: '1,234.0' is 1234, '2x' and '18 eggs' miss. Others
-    want the same text."""
-    answer = extract_answer(text, answer_from)
+# positive. Model output is read, never run. What real models write, such as a \boxed{} answer, is
+# read by the rewards of data/rewards.py, which a recipe names with --reward-fn.
+NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
+
+def tag_answer(text: str):
+    """What the last <answer>...</answer> after the first </think> holds, or None. A thought that
+    never closes holds no answer. It only splits and searches, so it takes linear time."""
+    if "<think>" in text and "</think>" not in text:
+        return None
+    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
+    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
+    return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
+
+def score(text: str, reference: str, finished: bool) -> float:
+    """1.0 if the completion finished with EOS and its tag_answer equals the reference, else 0.0.
+    Spaces around either are dropped. A numeric reference wants the same value, so '+85.0' and
+    '1,234' are numbers. Any other reference wants the same text, so '85 eggs' misses 85."""
+    answer = tag_answer(text)
     if not finished or answer is None:
         return 0.0
-    if answer_from == "math-verify":
-        from math_verify import parse, verify  # parse_args made sure it is installed
-        return float(verify(parse(f"${reference}$"), parse(f"${answer}$")))
-    plain = lambda s: re.sub(r"^\\boxed\{(.*)\}$", r"\1", re.sub(  # 1 5 and 5$5 stay apart
-        r"(?<![0-9,])\s|\s(?![0-9])|(?<![0-9])\\?\$|\\?\$(?![0-9])|\\[()[\]]", "", s).rstrip("."))
     num = lambda s: Fraction(s.replace(",", "")) if NUMBER_RE.fullmatch(s) and len(s) < 99 else None
-    a, ref = plain(answer).strip("*"), plain(reference)  # * is markdown's bold
+    a, ref = answer.strip(), reference.strip()
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
-def correct(prompts, completions, answer, finished=None, answer_from="tags", **columns):
-    """The default reward: 1.0 for each completion whose answer score reads as its reference, else
-    0.0. It is called as TRL calls a reward function, and so is any --reward-fn. The prompts and
-    completions come as text. Then each key of the data lines comes by name, with a value per
-    row. grpo.py also passes `finished`. TRL does not, so there every completion counts as finished.
-    A TRL completion may also be a list of chat messages."""
+def correct(prompts, completions, answer, finished=None, **columns):
+    """The default reward: score of each completion against its reference answer. It is called as
+    TRL calls a reward function, and so is any --reward-fn. The prompts and completions come as
+    text. Then each key of the data lines comes by name, with a value per row. grpo.py also passes
+    `finished`. TRL does not, so there every completion counts as finished. A TRL completion may
+    also be a list of chat messages."""
     finished = finished or [True] * len(completions)
-    return [score(c if isinstance(c, str) else c[-1]["content"], a, f, answer_from)
+    return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
 
 def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
     """The B rewards of what generate returns, from one call of the reward function, as correct
     describes. The prompts are the rows' questions, or `prompts` when given. Each completion is
     scored with `before` in front of it, by default the response prefix."""
-    texts = decode(tokenizer, *samples[:2])
+    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
     columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
     before = before or [cfg.response_prefix] * len(texts)
-    rewards = torch.tensor(reward_function(cfg.reward_fn, cfg.answer_from)(
+    rewards = torch.tensor(reward_function(cfg.reward_fn)(
         prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
-        finished=samples[2].tolist(), **columns), dtype=torch.float)
+        finished=samples.finished.tolist(), **columns), dtype=torch.float)
     if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # one float per completion
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
@@ -302,18 +317,23 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
             for ids, m in zip(completion_ids, completion_mask)]
 
+class Samples(NamedTuple):
+    """What generate returns, on the CPU: B rows, n per prompt, prompt-major."""
+    completion_ids: torch.Tensor   # (B, C) right-padded with the pad id
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the token that ended the row
+    finished: torch.Tensor         # (B,) True where that token was an EOS
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()):
-    """Samples n completions of each prompt, rows prompt-major. Returns completion_ids, B by C and
-    right-padded; completion_mask, 1 up to and including the token that ended the row; finished.
-    A row ends at an EOS, when finished is True, at a stop string's last token, or at the limit.
+    """Samples n completions of each prompt, as Samples. A row ends at an EOS, at the last token of
+    a stop string, or at the limit. Only an EOS makes it finished.
     Each token is drawn from softmax(logits / T), with no top-k or top-p, as the loss assumes.
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
                     logits = lm_head(decoder(token, cache)) for the rest, row r being active[r]"""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
-        return (torch.zeros(0, 0, dtype=torch.long),) * 2 + (torch.zeros(0, dtype=torch.bool),)
+        return Samples(*(torch.zeros(0, 0, dtype=torch.long),) * 2, torch.zeros(0, dtype=torch.bool))
     device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
@@ -347,7 +367,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         logits = model.lm_head(run_decoder(model, token[:, None], mask, cache)[:, -1]).float()
     model.train(was_training)
     C = int(lengths.max())
-    return out[:, :C], (torch.arange(C, device=device) < lengths[:, None]).long(), finished
+    completion_mask = (torch.arange(C, device=device) < lengths[:, None]).long()
+    return Samples(out[:, :C].cpu(), completion_mask.cpu(), finished.cpu())
 
 # 4. The rows, and a rollout per variant for this rank's share of a batch (one process: all of it).
 @dataclass
@@ -372,27 +393,23 @@ def no_signal(advantages, groups, num_groups: int):
     return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO and λ-GRPO: G completions per prompt, advantages normalised within each group. Under
-    lambda each token's w is also divided by |λ|. Both log the mean |λ| over tokens."""
+    """GRPO: G completions per prompt, advantages normalised within each prompt's group."""
     G = cfg.num_generations
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
-    rewards = score_batch(tokenizer, s, [ex for ex in batch for _ in range(G)], cfg)
     group = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's prompt
+    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg)
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
-    ids, mask = s[0].cpu(), s[1].cpu()  # (P·G, C)
-    weights, inv_lambda = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens), lambda_weights(
-        ids, mask, G)  # under grpo 1/|λ| is only logged
-    weights = weights * inv_lambda if cfg.variant == "lambda" else weights
+    weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
-                   completion_length=mask.sum(1).float(), lambda_mean=1 / inv_lambda[mask.bool()],
-                   frac_truncated=~s[2])
-    return Rows([prompts[p] for p in group], ids, mask, advantages, weights, rewards), metrics
+                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
+    return Rows([prompts[p] for p in group], s.completion_ids, s.completion_mask, advantages,
+                weights, rewards), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO-MA: K thoughts per prompt, each ending at the token that completes </think>. Then M
-    answers per closed thought, sampled after prompt + thought. The function ma_advantages scores
-    the tree; an open thought gets no answers, so V = 0. The rows, K = 2, M = 2, thought 1 open:
+    """GRPO-MA in two steps. First sample the tree: K thoughts per prompt, each ending at the token
+    that completes </think>, then M answers per closed thought, after prompt + thought. An open
+    thought gets no answers, so V = 0. Then lay out its rows, K = 2, M = 2, thought 1 open:
 
         row  context             completion        advantage  w (--ma-weighting parts)
         0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
@@ -403,72 +420,95 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
     Instead --ma-weighting tokens pools both parts in one mean."""
     K, M = cfg.num_thoughts, cfg.num_answers
+    # 1. The tree. P = 2, K = 2, M = 2, thought 1 open, so A = 6 answers:
+    #    thought_prompt  [0 0 1 1]          the prompt of each thought
+    #    closed          [T F T T]          whether it holds </think>
+    #    answer_thought  [0 0 2 2 3 3]      the thought of each answer
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
-    th_ids, th_mask, _ = generate(model, tokenizer, prompts, K, cfg.max_new_tokens,
-                                  cfg.temperature, stop_strings=["</think>"])  # (P·K, C)
-    thought_texts = decode(tokenizer, th_ids, th_mask)
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # (P·K,) each thought's prompt
-    closed = torch.tensor(["</think>" in text for text in thought_texts])  # (P·K,)
-    contexts = [prompts[p] + th_ids[k, :th_mask[k].sum()].tolist()  # one per closed thought
-                for k, p in enumerate(thought_prompt.tolist()) if closed[k]]
-    ans = generate(model, tokenizer, contexts, M, cfg.max_answer_tokens, cfg.temperature)  # (A, C)
-    # P = K = M = 2, closed [T F T T]: answer_thought [0 0 2 2 3 3], answer_prompt [0 0 1 1 1 1]
-    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,) each answer's thought
-    answer_prompt = thought_prompt[answer_thought]  # (A,) each answer's prompt
-    before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored with it
-    rewards = score_batch(tokenizer, ans, [batch[p] for p in answer_prompt], cfg, before=before)
+    thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
+                        stop_strings=["</think>"])  # (P·K, C)
+    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)
+    thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
+    closed = torch.tensor(["</think>" in text for text in thought_texts])
+    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,)
+    after = [prompts[p] + ids[m.bool()].tolist()  # prompt + thought, what its answers continue
+             for p, ids, m in zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
+    answers = generate(model, tokenizer, [after[k] for k in closed.nonzero().squeeze(1)], M,
+                       cfg.max_answer_tokens, cfg.temperature)  # (A, C)
+    rewards = score_batch(tokenizer, answers, [batch[p] for p in thought_prompt[answer_thought]],
+                          cfg, before=[cfg.response_prefix + thought_texts[k] for k in answer_thought])
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    pad = lambda a, b: torch.nn.utils.rnn.pad_sequence([*a, *b], True).cpu()  # thoughts, answers
-    ids, mask = pad(th_ids, ans[0]), pad(th_mask, ans[1])  # (P·K + A, C)
+    # 2. The rows: the P·K thoughts, then the A answers, right-padded to one width
+    stack = lambda thought_part, answer_part: torch.nn.utils.rnn.pad_sequence(
+        [*thought_part, *answer_part], batch_first=True)  # (P·K + A, C)
+    ids = stack(thoughts.completion_ids, answers.completion_ids)
+    mask = stack(thoughts.completion_mask, answers.completion_mask)
     if cfg.ma_weighting == "parts":  # thoughts and answers aggregated apart, each with its limit
-        weights = pad(batch_weights(th_mask, cfg.loss_type, cfg.max_new_tokens),
-                      batch_weights(ans[1], cfg.loss_type, cfg.max_answer_tokens))
+        weights = stack(batch_weights(thoughts.completion_mask, cfg.loss_type, cfg.max_new_tokens),
+                        batch_weights(answers.completion_mask, cfg.loss_type, cfg.max_answer_tokens))
     else:  # one token mean over both
         weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
-    metrics = dict(reward=rewards, completion_length=ans[1].sum(1).float(), thought_value=values,
-                   frac_reward_zero_std=no_signal(answer_adv, answer_prompt, len(batch)),
-                   unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
-                   frac_truncated=~ans[2])
-    row_contexts = [prompts[p] for p in thought_prompt] + [c for c in contexts for _ in range(M)]
-    return Rows(row_contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
+    contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]
+    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(
+        answer_adv, thought_prompt[answer_thought], len(batch)),
+        completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
+        unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
+        frac_truncated=~answers.finished)
+    return Rows(contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
                 torch.cat([values, rewards])), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
-    """TA-GRPO: each question q0 with up to N of its rephrasings q_j, drawn afresh each step, and
-    G responses to each. Advantages are normalised over the question's N+1 times G responses.
-    Under --ta-anchor original every context is q0; under rephrased, each response's q_j.
-    Two questions, N = 1, G = 2. Q1 has no rephrasing. Phrasings are numbered as asked:
+    """TA-GRPO: each question q0 with up to N of its rephrasings, drawn afresh each step, and G
+    responses to each phrasing. Advantages are normalised over the question's (N+1)·G responses.
+    Under --ta-anchor original every response's context is its q0; under rephrased, the phrasing
+    it was sampled after. Two questions, N = 1, G = 2, and Q1 has no rephrasing:
 
-        phrasing  asked          question_of  q0_of   rows  context: original, rephrased
-        0         q0 of Q0       0            0       0 1   phrasing 0, phrasing 0
-        1         q1 of Q0       0            0       2 3   phrasing 0, phrasing 1
-        2         q0 of Q1       1            2       4 5   phrasing 2, phrasing 2"""
+        phrasing j    0          1          2           texts[j], question[j], q0[j]
+        text          Q0's q0    Q0's q1    Q1's q0
+        question      0          0          1           its group
+        q0            0          0          2           the phrasing of its question's q0
+        rows          0 1        2 3        4 5
+        context       phrasing 0 phrasing 0 phrasing 2  --ta-anchor original
+                      phrasing 0 phrasing 1 phrasing 2  --ta-anchor rephrased"""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    asked, question_of, q0_of = [], [], []  # for each phrasing: text, question, q0's phrasing
+    texts, question = [], []  # for each phrasing j: its text, and its question's index in batch
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        q0_of += [len(asked)] * (1 + len(drawn))  # q0 is the first of p's phrasings
-        asked += [ex["question"]] + drawn
-        question_of += [p] * (1 + len(drawn))
-    phrasings = [prompt_ids(tokenizer, cfg, text) for text in asked]
+        texts += [ex["question"]] + drawn  # so a question's q0 is its first phrasing
+        question += [p] * (1 + len(drawn))
+    q0 = [question.index(p) for p in question]
+    phrasings = [prompt_ids(tokenizer, cfg, text) for text in texts]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    group = torch.tensor(question_of).repeat_interleave(G)  # (B,) each row's question
-    phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) what it was sampled after
-    q0 = torch.tensor(q0_of).repeat_interleave(G)  # (B,) the phrasing of its question's q0
+    phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) what each row was sampled after
+    group = torch.tensor(question)[phrasing]  # (B,)
     rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg,
-                          [asked[j] for j in phrasing])  # each prompt as it was asked
+                          [texts[j] for j in phrasing])  # each prompt as it was asked
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
-    anchor = q0 if cfg.ta_anchor == "original" else phrasing  # the paper's q0, or its code's q_j
-    mask, r0 = s[1].cpu(), rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
+    anchor = torch.tensor(q0)[phrasing] if cfg.ta_anchor == "original" else phrasing  # (B,)
+    is_q0 = phrasing == torch.tensor(q0)[phrasing]
+    r0 = rewards[is_q0].view(-1, G)  # q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
-                   completion_length=mask.sum(1).float(), reward_rephrased=rewards[phrasing != q0],
-                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1), frac_truncated=~s[2])
-    weights = batch_weights(mask, cfg.loss_type, cfg.max_new_tokens)
-    rows = Rows([phrasings[j] for j in anchor], s[0].cpu(), mask, advantages, weights, rewards)
-    return rows, metrics
+                   completion_length=s.completion_mask.sum(1).float(),
+                   reward_rephrased=rewards[~is_q0], frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1),
+                   frac_truncated=~s.finished)
+    weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
+    return Rows([phrasings[j] for j in anchor], s.completion_ids, s.completion_mask, advantages,
+                weights, rewards), metrics
 
-ROLLOUTS = {"grpo": rollout_grpo, "lambda": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
+def weigh_by_lambda(rows: Rows, cfg) -> torch.Tensor:
+    """λ-GRPO's weighting, for any variant: under --lambda-weights each token's w is divided by
+    |λ(i,t)|, counted over the rows that continue i's context. Under ma those are a prompt's
+    thoughts, or a thought's answers. Under ta they are the responses anchored on one phrasing.
+    It returns each token's |λ|, logged as lambda_mean whether or not the flag is on."""
+    ids = {}  # an id per distinct context
+    groups = torch.tensor([ids.setdefault(tuple(context), len(ids)) for context in rows.contexts])
+    inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
+    if cfg.lambda_weights:
+        rows.loss_weights = rows.loss_weights * inv_lambda
+    return 1 / inv_lambda[rows.completion_mask.bool()]
+
+ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
@@ -532,7 +572,6 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             raise UserError(f"the gradient norm is {grad_norms[-1]:.0f}: no update; lower --lr")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.clear_autocast_cache()  # autocast's bf16 copies of the weights are stale now
     *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])
     means = {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
              for k, v in zip(totals, sums)}
@@ -541,9 +580,28 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 # 6. The training loop and the eval.
 def train(cfg) -> dict:
     """Train as configured. Eval the starting policy unless the run resumes; then, each step, draw
-    the batch and a seed, roll out, update, log; eval and save when due; return rank 0's summary."""
+    the batch and a seed, roll out, update, log; eval and save when due; return rank 0's summary.
+
+    The rules an editor of the loop must keep:
+    1. A token's w is its share of the batch on all ranks. The rollout fixes it, before update
+       splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
+    2. Every rank makes the same collective calls in the same order, even one with no rows.
+    3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
+    4. A checkpoint is saved only between steps, so its weights, AdamW and log agree.
+
+    Rule 1 at work, with --loss-type dapo: 8 rows over 2 ranks, 2 micro-batches of 2 rows each.
+    They hold 16 tokens, so every w is 1/16:
+
+        rank 0    micro-batch 0: 2 rows    micro-batch 1: 2 rows    10 tokens    pieces a, b
+        rank 1    micro-batch 0: 2 rows    micro-batch 1: 2 rows     6 tokens    pieces c, d
+
+    A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
+    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient to the rank's, and
+    sum_gradients adds the ranks'. A w of 1/10 on rank 0 and 1/6 on rank 1 would weigh each
+    token of rank 1 10/6 times as much as one of rank 0."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
+    check_prefix(cfg, examples + test_examples)
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
     bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
     model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state,
@@ -552,7 +610,8 @@ def train(cfg) -> dict:
     evaluation = lambda step: log({"step": step, "eval": evaluate(
         model, tokenizer, test_examples[:cfg.eval_limit or None], cfg, cfg.seed + 12345)})
     P, t0 = cfg.prompts_per_step, time.time()
-    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):  # matmuls in bf16 if on
+    # matmuls in bf16 if on. No cast is cached, so none is stale after a step or lacks a graph.
+    with torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
         if state is None:
             evaluation(0)
         bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
@@ -563,7 +622,9 @@ def train(cfg) -> dict:
             batch = random.Random(seed).sample(examples, P)[rank * P // W:(rank + 1) * P // W]
             torch.manual_seed(seed * W + rank)  # and each rank samples its own completions
             rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
-            metrics = mean_over_ranks(metrics) | update(model, ref_model, optimizer, rows, cfg)
+            metrics["lambda_mean"] = weigh_by_lambda(rows, cfg)  # 1/|λ| in w under --lambda-weights
+            metrics = mean_over_ranks(metrics)
+            metrics |= update(model, ref_model, optimizer, rows, cfg)
             scheduler.step()
             bar.set_postfix_str(f"reward {metrics['reward']:.3f}")
             if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
@@ -622,7 +683,7 @@ def summary(cfg, wall_s: float) -> dict:
     evals = [record["eval"] for record in records if "eval" in record]
     shown = dict.fromkeys(["greedy", "pass@1", f"pass@{cfg.eval_samples}"])  # a resume may change n
     line = " | ".join(f"{k} {evals[0].get(k, math.nan):.3f} -> {evals[-1][k]:.3f}" for k in shown)
-    print(f"{cfg.variant}: {line} | {wall_s:.0f} s")
+    print(f"{cfg.variant}{' + λ' if cfg.lambda_weights else ''}: {line} | {wall_s:.0f} s")
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
 # 7. Plumbing: flags, data, models, run folder, checkpoints, ranks. Bad input stops with one line.
@@ -633,7 +694,8 @@ class Config:
     data: str = str(Path(__file__).parent / "data/train.jsonl")  # see load_jsonl
     system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '' for none
     response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
-    variant: Literal["grpo", "ma", "ta", "lambda"] = "grpo"
+    variant: Literal["grpo", "ma", "ta"] = "grpo"
+    lambda_weights: bool = False  # λ-GRPO's w / |λ(i,t)|, with any variant
     num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
     prompts_per_step: int = 16  # P, over all ranks
     max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
@@ -650,7 +712,6 @@ class Config:
     epsilon: float = 0.2  # the clip range, and its upper side unless epsilon_high is given
     epsilon_high: float | None = None  # DAPO's is 0.28
     num_iterations: int = 1  # μ, updates per sampled batch
-    answer_from: Literal["tags", "last-number", "math-verify"] = "tags"  # see extract_answer()
     reward_fn: str = ""  # FILE.py:NAME, a reward function called as TRL calls one; default correct
     lr: float = 2e-4  # AdamW's; ~1e-6 for real models
     warmup_steps: int = 10  # linear warmup, then constant
@@ -693,13 +754,9 @@ def parse_args(argv=None) -> Config:
             raise UserError(f"--{name.replace('_', '-')} {value}: must be {rule} 0")
     if cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step}: the ranks must divide it")
-    if extract_answer(cfg.response_prefix, cfg.answer_from) is not None or (
-            cfg.variant == "ma" and "</think>" in cfg.response_prefix):
-        raise UserError(f"--response-prefix {cfg.response_prefix!r} holds an answer, or under ma "
-                        f"closes the thought: the reward would not come from the model")
-    if cfg.answer_from == "math-verify" and importlib.util.find_spec("math_verify") is None:
-        raise UserError("--answer-from math-verify needs math_verify: pip install math-verify")
-    reward_function(cfg.reward_fn, cfg.answer_from)  # a bad --reward-fn stops here
+    if cfg.variant == "ma" and "</think>" in cfg.response_prefix:
+        raise UserError(f"--response-prefix {cfg.response_prefix!r} closes the thought under ma")
+    reward_function(cfg.reward_fn)  # a bad --reward-fn stops here
     return cfg
 
 def load_jsonl(path, at_least: int = 1) -> list[dict]:
@@ -718,71 +775,22 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
         raise UserError(f"{path}: {len(examples)} examples, fewer than {at_least}")
     return examples
 
-# How an answer is read from a completion, and --reward-fn found. Both serve section 2.
-NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
-PROSE = ".,;:?'\"*"  # what may touch a number besides letters; 4! is a factorial
-# Words that change the number they stand before or after: '2 * 8', 'not 8', '3 or 8' before it;
-# '8 thousand', '8 squared' after it.
-NOT_BEFORE = {"*", "x", ":", "not", "negative", "minus", "plus", "times", "over", "than", "point",
-              "and", "or"}
-NOT_AFTER = {"and", "hundred", "thousand", "million", "billion", "k", "squared", "cubed"}
-# what a box may hold around its number: \$ before it; \%, % or a unit of one or two words in
-# \text{} after it. Each part has one way to match, so a failed match costs linear time.
-BOXED_RE = re.compile(r"(?:\\\$)?(\S+?)(?:\\?%|(?:\s|\\[,; ]|~)*\\text\{ *(?!(?:" + "|".join(
-    NOT_AFTER) + r")\b)[A-Za-z][A-Za-z/]+(?: [A-Za-z/]+)? *\})?")
-
-def extract_answer(text: str, answer_from: str = "tags"):
-    """The answer that score reads, or None. It only splits and searches: linear time. The answer
-    follows the first </think>; a thought that never closes holds none.
-    - tags: what the last <answer>...</answer> holds. So does math-verify when there are tags.
-    - last-number, and math-verify without tags: what the last \\boxed{} holds. Its number may
-      carry \\$, % or a \\text{} unit. A box that never closes is a miss.
-    - last-number without a box: the last number, when only words and prose punctuation follow.
-    The box, like the number, must stand as a word, with a word or "=" before it. Words that
-    change a number, such as 'not' before it or 'thousand' after it, make a miss. Math
-    delimiters count as spaces, so 'is \\( 45 \\).' reads 45, and so does '45%'."""
-    if "<think>" in text and "</think>" not in text:
-        return None
-    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
-    if answer_from == "tags" or (answer_from == "math-verify" and "<answer>" in text):
-        start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
-        return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
-    text = re.sub(r"</?(?:think|answer)>|\\[()[\]]|(?<!\\)\$", " ", text)  # all spaces here
-    start, depth, box = text.rfind("\\boxed{"), 0, None
-    for brace in re.finditer("[{}]", text[start:] if start >= 0 else ""):  # to the box's own }
-        depth += 1 if brace[0] == "{" else -1
-        if depth == 0:  # the box, emptied, becomes one word with what touches it
-            box, text = text[start + 7:start + brace.end() - 1], text[:start] + "\\boxed{}" + text[
-                start + brace.end():]
-            break
-    if (start >= 0 or answer_from == "math-verify") and box is None:
-        return None  # a box cut off by the length limit, or math-verify with nothing to grade
-    words = text.split()
-    at = [i for i, word in enumerate(words) if ("\\boxed{}" in word if box is not None
-                                                else re.search("[0-9]", word))]
-    if not at:
-        return None
-    before, after = words[at[-1] - 1] if at[-1] else "", words[at[-1] + 1:]
-    prose = lambda word: all(c.isalpha() or c in PROSE + "!" for c in re.sub(r"\b-\b", "", word))
-    beside = lambda word, no: prose(word) and (word.strip(PROSE).lower() or word) not in no
-    if not (beside(before, NOT_BEFORE) or before in ("=", "&=")):
-        return None  # a sign, relation or operator before it, as in '- 8', 'x ≥ 8', 'not 8'
-    if after and not (beside(after[0], NOT_AFTER) or box is not None and re.match(
-            r"[0-9]+-?[A-Za-z]|\\text\{|\\end\{|\\?%", after[0])):
-        return None  # an operator or a scale after it, as in '8 - x', '8 thousand', '\boxed{8}^2'
-    if box is None and not all(map(prose, after)):
-        return None  # only words follow the last number; a box's later words may hold numbers
-    word = re.sub(r"^\\\$|\\?%$", "", words[at[-1]].rstrip(PROSE).lstrip("'\"*"))  # 25% reads 25
-    if box is None or word != "\\boxed{}":  # a number, or a box that something touches
-        return None if box else word
-    number = BOXED_RE.fullmatch(box.strip())  # else the box is read as it is
-    return number[1] if number and answer_from != "math-verify" else box
+def check_prefix(cfg: Config, examples: list[dict]):
+    """Score an empty completion on every question, so a reward that fails does so before anything
+    loads. Then stop if --response-prefix alone earns more reward than that on any question. Every
+    lone EOS would earn it, so the reward would not come from the model."""
+    columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}
+    reward = lambda text: reward_function(cfg.reward_fn)(prompts=columns["question"], completions=[
+        text] * len(examples), finished=[True] * len(examples), **columns)
+    empty = reward("")
+    if cfg.response_prefix and any(a > b for a, b in zip(reward(cfg.response_prefix), empty)):
+        raise UserError(f"--response-prefix {cfg.response_prefix!r} earns the reward alone")
 
 @functools.cache
-def reward_function(spec: str, answer_from: str):
+def reward_function(spec: str):
     """--reward-fn FILE.py:NAME, a function of yours, or else correct. The file runs as a script."""
     if not spec:
-        return functools.partial(correct, answer_from=answer_from)
+        return correct
     path, _, name = spec.rpartition(":")
     functions = runpy.run_path(path) if path.endswith(".py") else {}  # a missing file: OSError
     if not callable(functions.get(name)):
@@ -827,12 +835,13 @@ def open_run(cfg: Config):
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
     state = torch.load(checkpoint / "state.pt", "cpu", weights_only=True) if checkpoint else None
     if checkpoint:  # a resume trains what its run trained: only RESUMABLE flags may change
-        flags = json.loads((checkpoint / "flags.json").read_text())
-        changed = [k for k in vars(cfg) if k not in RESUMABLE and flags.get(k) != getattr(cfg, k)]
+        # a flag added to Config since the save compares as its default, which the run had
+        flags = vars(Config()) | json.loads((checkpoint / "flags.json").read_text())
+        changed = [k for k in vars(cfg) if k not in RESUMABLE and flags[k] != getattr(cfg, k)]
         changed += ["steps"] if cfg.steps < state["step"] else []  # --steps may only grow
         if changed:
             raise UserError(f"--resume: the run in {out} was trained with " + ", ".join(
-                f"--{k.replace('_', '-')} {flags.get(k)}" for k in changed))
+                f"--{k.replace('_', '-')} {flags[k]}" for k in changed))
     if rank != 0:
         return checkpoint, state, lambda record: None
     for path in [] if checkpoint else held:  # a fresh run replaces an old one
@@ -898,7 +907,7 @@ def main(argv=None):
     """The command line: bad flags, files or data stop with one line that names them."""
     try:
         return train(parse_args(argv))
-    except (UserError, OSError) as e:  # OSError for a missing file or model, an unwritable --out
+    except (UserError, OSError, ImportError) as e:  # a missing file, model or package; an unwritable --out
         sys.exit(f"grpo.py: error: {e}")
 
 if __name__ == "__main__":

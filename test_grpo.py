@@ -1,5 +1,6 @@
 """Tests for grpo.py. Run: python -m pytest -q   (benchmarks: GRPO_BENCH=1 python -m pytest -q -s -k bench)"""
 
+import importlib.util
 import itertools
 import json
 import math
@@ -21,12 +22,25 @@ import transformers
 from safetensors.torch import load_file
 
 import data.mechanisms as mechanisms
+import data.rewards as data_rewards
 import grpo
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE / "data" / "tiny"
+REWARDS = HERE / "data" / "rewards.py"
+LAST_NUMBER = ["--reward-fn", f"{REWARDS}:last_number"]      # what the GSM8K and SmolLM2 recipes name
+MATH_VERIFIED = ["--reward-fn", f"{REWARDS}:math_verified"]
 CFG = grpo.Config()                    # the default system prompt
 PLAIN = grpo.Config(system_prompt="")  # no system prompt: the chat template's own, if any
+
+
+def last_number(text, reference, finished=True):
+    """data/rewards.py's last_number on one completion, called as TRL calls it."""
+    return data_rewards.last_number(prompts=["q"], completions=[text], answer=[reference], finished=[finished])[0]
+
+
+def math_verified(text, reference, finished=True):
+    return data_rewards.math_verified(prompts=["q"], completions=[text], answer=[reference], finished=[finished])[0]
 
 
 def run(*flags):
@@ -79,9 +93,9 @@ def rows_of(answer, n):
 
 
 def samples_of(tok, texts, finished=True):
-    """generate's triple for completion texts, as if sampled: (ids, mask, finished)."""
+    """What generate returns for completion texts, as if sampled."""
     ids, mask = encode(tok, texts)
-    return ids, mask, torch.full((len(texts),), finished)
+    return grpo.Samples(ids, mask, torch.full((len(texts),), finished))
 
 
 def hf_logps(model, rows, temperature):
@@ -287,7 +301,7 @@ def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
     assert loss == pytest.approx(-(A.sum() / rows.completion_mask.sum()).item(), abs=1e-6)
 
 # -----------------------------------------------------------------------------
-# Rewards
+# Rewards: grpo.py's default reads the answer tags
 
 
 @pytest.mark.parametrize("text,reward", [
@@ -296,9 +310,9 @@ def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
     ("<answer>85</answer><answer>84</answer>", 0.0),
     ("<answer> 85 </answer>", 1.0),                              # spaces
     ("<answer>+85.0</answer>", 1.0),                             # leading + and trailing .0
-    ("<answer>\\boxed{85}</answer>", 1.0),                       # one box around it all
-    ("<answer>85.</answer>", 1.0),                               # a final period
-    ("so \\boxed{85}", 0.0),                                     # no tags: no answer (math-verify reads LaTeX)
+    ("<answer>\\boxed{85}</answer>", 0.0),                       # LaTeX: data/rewards.py reads it
+    ("<answer>85.</answer>", 0.0),                               # a final period: so does data/rewards.py
+    ("so \\boxed{85}", 0.0),                                     # no tags: no answer
     ("<answer>170/2</answer>", 0.0),                             # a fraction is not a plain number
     ("<answer>eighty-five</answer>", 0.0),                       # not a number
     ("85", 0.0),                                                 # no tags
@@ -316,12 +330,29 @@ def test_score(text, reward):
     assert grpo.score(text, "85", finished=False) == 0.0  # unfinished: never
 
 
-# What real models write inside the tags, read by the narrow rule: (answer text, reference, reward). A plain number
-# once whitespace, $, a final period, markdown's bold and one \boxed{} are gone; commas only between thousands.
+# The default compares a plain number by value and anything else as text: (the tags' answer, reference, reward).
+PLAIN_ANSWERS = [(".5", "0.5", 1.0), ("+85.0", "85", 1.0), ("1,234", "1234", 1.0), ("1,234,567", "1234567", 1.0),
+                 (" 18\n", "18", 1.0), ("x^2", "x^2", 1.0), ("\\frac{1}{2}", "\\frac{1}{2}", 1.0),
+                 ("-5", "5", 0.0), ("3,5", "35", 0.0), ("1,2345", "12345", 0.0), ("5.5.5", "5.5", 0.0),
+                 ("٣", "3", 0.0), ("18eggs", "18", 0.0), ("18 eggs", "18", 0.0), ("3\\pi", "3 \\pi", 0.0),
+                 ("1234.", "1234", 0.0), ("**18**", "18", 0.0), ("$18$", "18", 0.0), ("\\boxed{18}", "18", 0.0)]
+
+
+@pytest.mark.parametrize("answer,reference,reward", PLAIN_ANSWERS)
+def test_the_default_reward_compares_numbers_by_value_and_the_rest_as_text(answer, reference, reward):
+    assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True) == reward
+    assert grpo.correct(["q"], [f"<answer>{answer}</answer>"], [reference]) == [reward]  # TRL's call: finished
+
+
+# -----------------------------------------------------------------------------
+# Rewards of data/rewards.py, for what real models write; --reward-fn names them
+
+# What real models write, read by last_number in the tags and in prose: (answer text, reference, reward). A plain
+# number once whitespace, $, a final period, markdown's bold and one \boxed{} are gone; commas only between thousands.
 GRADER_CASES = [
     ("\\boxed{5}", "5", 1.0), ("1234.", "1234", 1.0), ("\\$12.50", "12.5", 1.0), ("**18**", "18", 1.0),
     (".5", "0.5", 1.0), ("+85.0", "85", 1.0), ("1,234", "1234", 1.0), ("1,234,567", "1234567", 1.0),
-    ("$1,234,567.00$", "1234567", 1.0), ("- 5", "-5", 1.0),
+    ("$1,234,567.00$", "1234567", 1.0),
     ("3,5", "35", 0.0), ("1, 2", "12", 0.0), ("1,2345", "12345", 0.0), ("0,005", "5", 0.0),  # not thousands
     ("7 or 8", "7", 0.0), ("5.5.5", "5.5", 0.0), ("-5", "5", 0.0), ("\\frac{1}{0}", "1", 0.0),
     ("٣", "3", 0.0),                                                       # only ASCII digits are digits
@@ -331,12 +362,14 @@ GRADER_CASES = [
     ("18eggs", "18", 0.0), ("3 \\pi", "3", 0.0), ("x ^ 2", "2", 0.0), ("60 km/h", "60", 0.0), ("42 m^2", "42", 0.0),
 ]
 
-# True positives of the 135-line reader that the narrow rule no longer reads: misses now, never false positives.
-# --answer-from math-verify reads the LaTeX ones.
+# True positives of the 135-line reader that the default reward does not read. last_number reads the five of
+# LAST_NUMBER_READS; the others are misses, never false positives. math_verified reads the LaTeX ones.
 NOW_MISSES = [("The answer is 1,234.", "1234"), ("18 eggs", "18"), ("-\\frac{1}{2}", "-0.5"), ("\\text{5}", "5"),
               ("\u22125", "-5"), ("\\boxed{\\dfrac{3}{4}}", "0.75"), ("x = 7", "7"), ("-3/4", "-0.75"),
               ("\\frac{1}{2}", "0.5"), ("5\\text{ cm}", "5"), ("50\\%", "50"), ("\\boxed{5\\text{ cm}}", "5"),
               ("5\\,\\text{cm}", "5"), ("90^\\circ", "90"), ("90^{\\circ}", "90"), ("90°", "90")]
+LAST_NUMBER_READS = [("The answer is 1,234.", "1234"), ("18 eggs", "18"), ("x = 7", "7"), ("50\\%", "50"),
+                     ("\\boxed{5\\text{ cm}}", "5")]
 
 # A number that touches a letter, a backslash command, ^, _, ! or braces is part of an expression, not that
 # number: each pair scores 0 in both directions (at 29830ed each scored 1: the digits alone were read).
@@ -362,23 +395,31 @@ NOT_THE_NUMBER = [("x+5", "5"), ("5-x", "5"), ("x/2", "2"), ("3/x", "3"), ("5*x"
 
 @pytest.mark.parametrize("answer,reference", NOT_THE_NUMBER)
 def test_an_answer_around_a_number_is_not_that_number(answer, reference):
-    """In both modes. Last-number mode reads the last number, so of two numbers it takes the second."""
+    """Under the default reward and under last_number, in the tags and in prose. last_number reads the last box,
+    so of two it takes the second."""
     assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True) == 0.0
+    assert last_number(f"<think>x</think><answer>{answer}</answer>", reference) == 0.0
     if answer != "\\boxed{3} or \\boxed{5}":
-        assert grpo.score(f"so {answer}", reference, True, answer_from="last-number") == 0.0
+        assert last_number(f"so {answer}", reference) == 0.0
 
 
 @pytest.mark.parametrize("first,second", EXPRESSIONS)
 def test_a_number_inside_an_expression_is_not_that_number(first, second):
     for answer, reference in ((first, second), (second, first)):
         assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True) == 0.0
-        assert grpo.score(f"so {answer}", reference, True, answer_from="last-number") == 0.0
+        assert last_number(f"<think>x</think><answer>{answer}</answer>", reference) == 0.0
+        assert last_number(f"so {answer}", reference) == 0.0
 
 
-@pytest.mark.parametrize("answer,reference,reward", GRADER_CASES + [(a, r, 0.0) for a, r in NOW_MISSES])
-def test_score_reads_answers_narrowly(answer, reference, reward):
-    assert grpo.score(f"<think>x</think><answer>{answer}</answer>", reference, True) == reward
-    assert grpo.score(f"<answer>{answer}</answer>", reference, False) == 0.0  # unfinished: never
+@pytest.mark.parametrize("answer,reference,reward", GRADER_CASES + [
+    (a, r, float((a, r) in LAST_NUMBER_READS)) for a, r in NOW_MISSES])
+def test_last_number_reads_answers_narrowly(answer, reference, reward):
+    """In the tags, whose text it reads as prose, and in prose. The default reward credits only PLAIN_ANSWERS."""
+    for text in (f"<think>x</think><answer>{answer}</answer>", f"so {answer}"):
+        assert last_number(text, reference) == reward, text
+        assert last_number(text, reference, finished=False) == 0.0  # unfinished: never
+    plain = {(a, r): w for a, r, w in PLAIN_ANSWERS}.get((answer, reference), 0.0)
+    assert grpo.score(f"<answer>{answer}</answer>", reference, True) == plain
 
 
 @pytest.mark.parametrize("text,reward", [
@@ -393,36 +434,38 @@ def test_score_reads_answers_narrowly(answer, reference, reward):
     ("so 8 - x", 0.0), ("2+8", 0.0), ("2 + 8", 0.0), ("so 2\\frac{1}{8}", 0.0), ("(8)", 0.0),
     ("$\\frac{16}{2}$.", 0.0), ("16/2", 0.0),                      # misses now: not plain numbers
 ])
-def test_score_last_number_mode(text, reward):
-    assert grpo.score(text, "8", True, answer_from="last-number") == reward
+def test_last_number_reads_the_last_number(text, reward):
+    assert last_number(text, "8") == reward
 
 
 WRAPPINGS = ["\\({}\\)", "\\[ {} \\]", "\\[\n{}\n\\]", "${}$", "$ {} $"]  # Qwen2.5's math delimiters
 
 
-# What a box may hold around its number under last-number: of NOW_MISSES, only these read inside a \\boxed{}.
+# What a box may hold around its number under last_number: of NOW_MISSES, only these read inside a \\boxed{}.
 BOXED_UNITS = [("50\\%", "50"), ("5\\text{ cm}", "5"), ("5\\,\\text{cm}", "5")]
 
 
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
 def test_math_delimiters_are_spaces_and_every_false_positive_still_misses_in_a_box(wrapping):
-    """\\( \\), \\[ \\] and $ $ around a \\boxed{} are read in both modes. Under last-number the box stands as a word:
-    an operator before it is a miss; the words after it, which may hold numbers, and a mismatched delimiter are not.
-    Every false-positive case of the tables above still scores 0 in a box; of NOW_MISSES, a box reads only
-    BOXED_UNITS, and the tags' answer none."""
+    """\\( \\), \\[ \\] and $ $ around a \\boxed{} are read by last_number, in prose and in the tags. The box stands as
+    a word: an operator before it is a miss; the words after it, which may hold numbers, and a mismatched delimiter
+    are not. Every false-positive case of the tables above still scores 0 in a box; of NOW_MISSES, a box reads only
+    BOXED_UNITS. The default reward reads none of them: a box is LaTeX."""
     box = wrapping.format("\\boxed{18}")
-    assert grpo.score(f"So she has {box}.", "18", True, "last-number") == 1.0
-    assert grpo.score(f"<answer>{box}</answer>", "18", True) == 1.0
-    assert grpo.score("so " + wrapping.format("2 + \\boxed{18}"), "18", True, "last-number") == 0.0
+    assert last_number(f"So she has {box}.", "18") == 1.0 and last_number(f"<answer>{box}</answer>", "18") == 1.0
+    assert grpo.score(f"<answer>{box}</answer>", "18", True) == 0.0
+    assert last_number("so " + wrapping.format("2 + \\boxed{18}"), "18") == 0.0
     for text in (wrapping.format("\\boxed{18} eggs"), "\\(\\boxed{18}\\]", box + " in 3 days."):
-        assert grpo.score(f"so {text}", "18", True, "last-number") == 1.0, text
+        assert last_number(f"so {text}", "18") == 1.0, text
     cases = (NOT_THE_NUMBER + EXPRESSIONS + [(b, a) for a, b in EXPRESSIONS] + NOW_MISSES
              + [(a, r) for a, r, reward in GRADER_CASES if reward == 0])
     for answer, reference in cases:
         box = wrapping.format("\\boxed{" + answer + "}")
         read = float((answer, reference) in BOXED_UNITS)
-        assert grpo.score(f"so {box}", reference, True, "last-number") == read, (box, reference)
+        assert last_number(f"so {box}", reference) == read, (box, reference)
+        assert last_number(f"<answer>{box}</answer>", reference) == read, (box, reference)
         assert grpo.score(f"<answer>{box}</answer>", reference, True) == 0.0, (box, reference)
+    assert last_number("so - 5", "-5") == 0.0 and last_number(wrapping.format("\\boxed{- 5}"), "-5") == 1.0  # a sign
 
 
 # What Qwen2.5-Instruct wrote: the endings of its replies to GSM8K test questions, verbatim from evaluation logs that
@@ -586,29 +629,31 @@ REAL_REPLIES = [
 
 
 def test_the_reader_credits_what_qwen_writes_and_no_wrong_answer():
-    """The box-first reading credits 48 of these 49 right replies, the reader of 5c86486 (the last number, a box only
-    inside math delimiters) 28; neither credits a wrong one."""
-    right = [(ending, grpo.score(ending, answer, True, "last-number")) for ending, answer, is_right, _ in REAL_REPLIES
-             if is_right]
+    """last_number credits 48 of these 49 right replies, the reader of 5c86486 (the last number, a box only inside
+    math delimiters) 28; neither credits a wrong one. A box cut off by the length limit is a miss."""
+    right = [(ending, last_number(ending, answer)) for ending, answer, is_right, _ in REAL_REPLIES if is_right]
     assert [ending for ending, reward in right if reward == 0] == [REAL_REPLIES[48][0]]
     assert sum(reward for _, reward in right) / len(right) >= 0.97 and len(right) == 49
     for ending, answer, is_right, where in REAL_REPLIES:
-        assert is_right or grpo.score(ending, answer, True, "last-number") == 0.0, where
-        assert grpo.score(ending, answer, False, "last-number") == 0.0  # unfinished: never
+        assert is_right or last_number(ending, answer) == 0.0, where
+        assert last_number(ending, answer, finished=False) == 0.0  # unfinished: never
+        if "\\boxed{" in ending:  # the reply cut inside its box, as by --max-new-tokens
+            assert last_number(ending[:ending.rindex("\\boxed{") + len("\\boxed{") + 1], answer) == 0.0, where
 
 
 def test_math_verify_grades_the_last_box_of_what_qwen_writes():
     pytest.importorskip("math_verify", reason="the test command installs math-verify")
     boxed = [(ending, answer, is_right) for ending, answer, is_right, _ in REAL_REPLIES if "\\boxed" in ending]
-    assert [grpo.score(ending, answer, True, "math-verify") for ending, answer, _ in boxed] == [
+    assert [math_verified(ending, answer) for ending, answer, _ in boxed] == [
         float(is_right) for _, _, is_right in boxed] and len(boxed) == 34
+    assert [math_verified(ending[:ending.rindex("\\boxed{") + 8], answer) for ending, answer, _ in boxed] == [0.0] * 34
 
 
 def test_score_batch_scores_each_text_after_its_prefix(tiny):
     tok = tiny[1]
     texts = ["<answer>8</answer>", "8", "<think>x</think><answer>8</answer>", "<think><answer>8</answer></think>"]
-    for answer_from, expected in [("tags", [1.0, 0.0, 1.0, 0.0]), ("last-number", [1.0, 1.0, 1.0, 0.0])]:
-        cfg = grpo.Config(answer_from=answer_from)
+    for reward_fn, expected in [("", [1.0, 0.0, 1.0, 0.0]), (LAST_NUMBER[1], [1.0, 1.0, 1.0, 0.0])]:
+        cfg = grpo.Config(reward_fn=reward_fn)
         assert grpo.score_batch(tok, samples_of(tok, texts), rows_of("8", 4), cfg).tolist() == expected
     unfinished = samples_of(tok, texts, finished=False)
     assert grpo.score_batch(tok, unfinished, rows_of("8", 4), CFG).tolist() == [0.0] * 4
@@ -619,7 +664,7 @@ def test_score_batch_scores_each_text_after_its_prefix(tiny):
 
 # Found by a hostile tester of the box-first reader, each read as the reference by its first form: words and
 # operators beside a box or a number that change its value, a unit slot holding words, digits that whitespace kept
-# apart, sign and scale words. Each is a miss under last-number.
+# apart, sign and scale words. Each is a miss under last_number.
 AROUND_AN_ANSWER = [
     ('The answer is \\boxed{5} thousand.', '5'), ('\\boxed{5} 000', '5'), ('\\boxed{5} \\times 10^3', '5'),
     ('\\boxed{5} ^2', '5'), ('$\\boxed{5} \\cdot 2 = 10$', '5'), ('\\boxed{5} + 3 = 8', '5'),
@@ -655,19 +700,20 @@ READ_AS_ANSWERS = [
 
 
 def test_what_changes_a_number_beside_it_is_a_miss_and_the_forms_qwen_writes_read():
-    assert [grpo.score(text, reference, True, "last-number") for text, reference in AROUND_AN_ANSWER] == [
-        0.0] * len(AROUND_AN_ANSWER)
-    assert [grpo.score(text, reference, True, "last-number") for text, reference in READ_AS_ANSWERS] == [
-        1.0] * len(READ_AS_ANSWERS)
+    assert [last_number(text, reference) for text, reference in AROUND_AN_ANSWER] == [0.0] * len(AROUND_AN_ANSWER)
+    assert [last_number(text, reference) for text, reference in READ_AS_ANSWERS] == [1.0] * len(READ_AS_ANSWERS)
+    for text, reference in AROUND_AN_ANSWER:
+        assert grpo.score(f"<answer>{text}</answer>", reference, True) == 0.0
     assert grpo.score("<answer>4, 500</answer>", "4500", True) == 0.0  # the tags keep digits apart too
 
 
-# Where math_verify 0.9.0 (--answer-from math-verify) and the narrow reader disagree on the tables above:
-# (answer, reference, narrow reward, math_verify's). It reads the answer as LaTeX: it credits symbolic equality
+# Where math_verified (math_verify 0.9.0) and last_number disagree on the tables above, in the tags: (answer,
+# reference, last_number's reward, math_verified's). It reads the answer as LaTeX: it credits symbolic equality
 # ('\\frac{1}{2}' is 0.5, '\\sqrt[3]{8}' is 2), reads words as symbols ('18 eggs' is 18·e·g·g·s) and what a \\boxed{}
 # holds ('\\boxed{5}^2' is 5).
 MATH_VERIFY_DIFFERS = [
-    ("**18**", "18", 1.0, 0.0)] + [(a, r, 0.0, 1.0) for a, r in NOW_MISSES if a != "18 eggs"] + [
+    ("**18**", "18", 1.0, 0.0), ("18 eggs", "18", 1.0, 0.0)] + [
+    (a, r, 0.0, 1.0) for a, r in NOW_MISSES if (a, r) not in LAST_NUMBER_READS] + [
     (a, r, 0.0, 1.0) for a, r in [
         ("x = -\\boxed{5}", "5"), ("\\boxed{5}^2", "5"), ("\\sqrt{\\boxed{2}}", "2"), ("≈ 3", "3"), ("5 ½", "5"),
         ("5⁻¹", "5"), ("\\boxed{5}x", "5"), ("5\\text{x}", "5"), ("2\\frac{1}{2}", "2.5"), ("2", "\\sqrt[3]{8}"),
@@ -681,27 +727,26 @@ def test_math_verify_reads_the_tables_and_differs_where_recorded():
     differs = []
     for answer, reference in pairs:
         text = f"<think>x</think><answer>{answer}</answer>"
-        ours, theirs = grpo.score(text, reference, True), grpo.score(text, reference, True, "math-verify")
+        ours, theirs = last_number(text, reference), math_verified(text, reference)
         if ours != theirs:
             differs.append((answer, reference, ours, theirs))
     assert differs == MATH_VERIFY_DIFFERS
     for text, reward in [("<think>x</think><answer>60 km/h</answer>", 0.0), ("<answer>\\frac{2}{4}</answer>", 1.0),
                          ("<answer>\\frac{1}{2}x</answer>", 0.0), ("<answer>x \\neq 0.5</answer>", 0.0),
-                         ("<think><answer>0.5</answer></think>", 0.0)]:  # only after the thought, as every mode
-        assert grpo.score(text, "0.5" if "60" not in text else "60", True, "math-verify") == reward, text
-    assert grpo.score("<answer>0.5</answer>", "1/2", False, "math-verify") == 0.0  # unfinished
+                         ("<think><answer>0.5</answer></think>", 0.0)]:  # only after the thought, as every reward
+        assert math_verified(text, "0.5" if "60" not in text else "60") == reward, text
+    assert math_verified("<answer>0.5</answer>", "1/2", finished=False) == 0.0  # unfinished
 
 
 def test_math_verify_trains_and_without_the_package_stops_with_one_line(tmp_path, monkeypatch):
     pytest.importorskip("math_verify", reason="the test command installs math-verify")
-    assert run(*SMALL, "--steps", "1", "--answer-from", "math-verify", "--out", str(tmp_path / "run")) is None
+    assert run(*SMALL, "--steps", "1", *MATH_VERIFIED, "--out", str(tmp_path / "run")) is None
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
     assert 0 < line["reward"] <= 1
-    import importlib.util
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else find_spec(name, *a))
-    stop = run("--answer-from", "math-verify", "--out", str(tmp_path / "other"))
-    assert stop == "grpo.py: error: --answer-from math-verify needs math_verify: pip install math-verify"
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if it were not installed: import raises
+    monkeypatch.setattr(grpo, "load_model", lambda *a: pytest.fail("the model loaded"))
+    stop = run(*MATH_VERIFIED, "--out", str(tmp_path / "other"))
+    assert stop == "grpo.py: error: math_verified needs math_verify: pip install math-verify"
     assert not (tmp_path / "other").exists()
 
 
@@ -734,8 +779,8 @@ def one_short(completions, **kwargs):
 
 
 def test_a_reward_function_in_a_file_trains_as_the_default_reward_does(tmp_path, monkeypatch):
-    """--reward-fn FILE.py:NAME is called once per batch as TRL calls a reward function: the prompts (each row's
-    question) and completions as text, each data column by name, and finished. A function that computes the default
+    """--reward-fn FILE.py:NAME is called once per batch as TRL calls a reward function, and once before anything
+    loads: the prompts (each row's question) and completions as text, each data column by name, and finished. A function that computes the default
     reward's values trains the tiny model into the same run, its evals included."""
     (tmp_path / "rewards.py").write_text(TRL_STYLE_REWARD)
     monkeypatch.setenv("GRPO_TEST_CALLS", str(tmp_path / "calls.jsonl"))
@@ -747,8 +792,9 @@ def test_a_reward_function_in_a_file_trains_as_the_default_reward_does(tmp_path,
         assert {k: v for k, v in a.items() if k != "time/step"} == {k: v for k, v in b.items() if k != "time/step"}
     assert any(l.get("reward") for l in runs[1])  # the rewards it gave were not all 0
     calls = [json.loads(l) for l in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert len(calls) == 3 + 3 * 2 and {tuple(c["keys"]) for c in calls} == {("finished", "question", "rephrasings")}
-    first = calls[2]  # the first training step's batch: P = 2 questions, G = 2 completions each, as the data has them
+    assert len(calls) == 1 + 3 + 3 * 2 and {tuple(c["keys"]) for c in calls} == {("finished", "question", "rephrasings")}
+    assert set(calls[0]["completions"]) == {""}  # check_prefix: an empty completion, for every question
+    first = calls[3]  # the first training step's batch: P = 2 questions, G = 2 completions each, as the data has them
     examples = {ex["question"]: ex["answer"] for ex in grpo.load_jsonl(HERE / "data" / "train.jsonl")}
     assert [examples[p] for p in first["prompts"]] == first["answer"] and first["prompts"][0] == first["prompts"][1]
     assert all(isinstance(c, str) for c in first["completions"])
@@ -770,14 +816,16 @@ def test_a_bad_reward_function_stops_with_one_line(tmp_path):
 def test_the_default_reward_takes_trls_call():
     """As GRPOTrainer (trl 1.x) calls a reward function: prompts, completions and completion_ids, each dataset column
     but prompt and completion by name, and trainer_state; a conversational dataset gives lists of messages. TRL names
-    a reward by its __name__, which functools.partial lacks, hence the small function for another reader."""
-    def last_number(**kwargs):
-        return grpo.correct(**kwargs, answer_from="last-number")
+    a reward by its __name__: each shipped reward is a plain function."""
     prompts = [[{"role": "user", "content": "Josh buys a house for $80,000 ..."}]] * 3
     completions = [[{"role": "assistant", "content": text}] for text in (
         "Therefore, Josh makes \\(\\boxed{70000}\\) dollars in 2 years.", "So he made 70,000.", "\\boxed{7000}")]
     kwargs = dict(prompts=prompts, completion_ids=[[1], [2], [3]], answer=["70000"] * 3, trainer_state=None)
-    assert last_number(completions=completions, **kwargs) == [1.0, 1.0, 0.0]
+    assert data_rewards.last_number(completions=completions, **kwargs) == [1.0, 1.0, 0.0]
+    if importlib.util.find_spec("math_verify"):
+        assert data_rewards.math_verified(completions=completions, **kwargs) == [1.0, 0.0, 0.0]
+    assert [f.__name__ for f in (grpo.correct, data_rewards.last_number, data_rewards.math_verified)] == [
+        "correct", "last_number", "math_verified"]
     assert grpo.correct(completions=[c[0]["content"] for c in completions], **kwargs) == [0.0, 0.0, 0.0]  # tags
     assert grpo.correct(completions=["<answer>70000</answer>"], **kwargs | {"answer": ["70000"]}) == [1.0]
 
@@ -787,13 +835,13 @@ HOSTILE = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "{", "}",
            "9" * 5000, "1" * 4301 + "/" + "7" * 4301, "\\frac{" + "9" * 5000 + "}{1}", "!", "=", "*"]
 
 
-def test_score_never_raises_on_hostile_text():
+def test_the_rewards_never_raise_on_hostile_text():
     rng = random.Random(0)
     for _ in range(5000):
         text = "".join(rng.choice(HOSTILE) for _ in range(rng.randrange(1, 12)))
-        for answer_from in ("tags", "last-number"):
-            reward = grpo.score(text, rng.choice(["85", "-3/4", "x", "1" * 5000]), rng.random() < 0.9, answer_from)
-            assert reward in (0.0, 1.0)
+        reference, finished = rng.choice(["85", "-3/4", "x", "1" * 5000]), rng.random() < 0.9
+        assert grpo.score(text, reference, finished) in (0.0, 1.0)
+        assert last_number(text, reference, finished) in (0.0, 1.0)
     assert grpo.score("<answer>" + "9" * 5000 + "</answer>", "9" * 5000, True) == 1.0  # equal text, not a number
     assert grpo.score("<answer>" + "9" * 5000 + "</answer>", "85", True) == 0.0
 
@@ -811,18 +859,20 @@ def slow_tag_answer(text):
 
 
 def test_the_tag_reader_is_its_definition_and_reads_in_linear_time():
-    """extract_answer against the brute-force definition on random texts; then a megabyte of unclosed tags, which a
-    quadratic reader (the regex of c8732ce took 1.3 s on 50 kB) would not finish in the suite's time."""
+    """Both tag readers, grpo.py's and data/rewards.py's, against the brute-force definition on random texts; then a
+    megabyte of unclosed tags, which a quadratic reader (the regex of c8732ce took 1.3 s on 50 kB) would not finish
+    in the suite's time. The box reader of last_number is linear too."""
     rng = random.Random(0)
     for _ in range(3000):
         text = "".join(rng.choice(["<answer>", "</answer>", "a", "7", " ", "<", ">"]) for _ in range(rng.randrange(12)))
-        assert grpo.extract_answer(text) == slow_tag_answer(text), text
+        assert grpo.tag_answer(text) == data_rewards.tag_answer(text) == slow_tag_answer(text), text
     hostile = "<think>x</think>" + "<answer>" * 125_000 + "7"
     assert grpo.score(hostile, "7", True) == 0.0 and grpo.score(hostile + "</answer>", "7", True) == 1.0
-    assert grpo.score(("so 7 " * 200_000).strip(), "7", True, "last-number") == 1.0
+    assert math_verified(hostile, "7") == 0.0 if importlib.util.find_spec("math_verify") else True
+    assert last_number(("so 7 " * 200_000).strip(), "7") == 1.0
     n = 500_000  # the box reader's first regex (\\s* twice around a lazy group) backtracked: 10 kB did not finish
     for box in (" " * n + "5 5", "5" + " " * n + "x", "\\$" + " " * n + "5" + " " * n + "x", "5\\text{" + "a" * n + "}x"):
-        assert grpo.score(f"so \\boxed{{{box}}}", "5", True, "last-number") == 0.0
+        assert last_number(f"so \\boxed{{{box}}}", "5") == 0.0
 
 # -----------------------------------------------------------------------------
 # Sampler and log-probs
@@ -1201,13 +1251,12 @@ def test_micro_batches_add_up_to_the_whole_batch(tiny, loss_type):
 
 def test_lambda_update_divides_each_token_term_by_lambda(tiny):
     """One hand-made group at μ = 1 (ratio 1): update()'s loss is -Σ_i Σ_t A_i / |λ(i,t)| / (all tokens) with
-    |λ| counted by the test's trie; without λ (GRPO) it is -Σ_i Σ_t A_i / (all tokens). And rollout_grpo gives its
-    rows w = dapo's / |λ| under --variant lambda, dapo's alone under grpo."""
+    |λ| counted by the test's trie; without λ (GRPO) it is -Σ_i Σ_t A_i / (all tokens)."""
     model, tok = tiny
     prompt = grpo.prompt_ids(tok, CFG, "12+34=")
     advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
     ids, mask = encode(tok, ["<answer>12</answer>", "<answer>13</answer>", "<answer>1</answer>", "12"])
-    inv_lambda = trie_weights(ids, mask, 4)
+    inv_lambda = trie_weights(ids, mask, torch.zeros(4))
     assert (inv_lambda[mask.bool()] < 1).any()
     tokens = mask.sum().item()
     for per_token in (inv_lambda, mask):
@@ -1215,12 +1264,36 @@ def test_lambda_update_divides_each_token_term_by_lambda(tiny):
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         loss = grpo.update(model, None, sgd, rows, grpo.Config())["loss"]
         assert loss == pytest.approx(-(per_token * advantages[:, None]).sum().item() / tokens, abs=1e-6)
-    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:2]
-    for variant in ("lambda", "grpo"):
-        rows = rollout_rows(variant, model, tok, batch)
-        dapo_w = rows.completion_mask / rows.completion_mask.sum()
-        lam = trie_weights(rows.completion_ids, rows.completion_mask, 3) if variant == "lambda" else 1
-        assert torch.allclose(rows.loss_weights, dapo_w * lam)
+
+
+def lambda_by_brute_force(rows):
+    """|λ(i,t)| counted row by row: the rows j with i's context whose tokens 0..t, all in the mask, equal i's."""
+    sizes = torch.zeros(rows.completion_ids.shape)
+    for i, t in rows.completion_mask.nonzero().tolist():
+        sizes[i, t] = sum(rows.contexts[j] == rows.contexts[i] and bool(rows.completion_mask[j, :t + 1].all())
+                          and torch.equal(rows.completion_ids[j, :t + 1], rows.completion_ids[i, :t + 1])
+                          for j in range(len(rows.contexts)))
+    return sizes
+
+
+@pytest.mark.parametrize("variant,anchor", [("grpo", "original"), ("ma", "original"), ("ta", "original"),
+                                            ("ta", "rephrased")])
+def test_lambda_weights_divide_every_variants_weights_by_a_count_over_rows_of_one_context(tiny, variant, anchor):
+    """--lambda-weights on each variant's rows: w becomes the rollout's w / |λ|, |λ| counted by brute force over the
+    rows with the same context (under ma a prompt's thoughts and a thought's answers; under ta the responses anchored
+    on one phrasing), and lambda_mean is its mean over tokens. Without the flag w stays and lambda_mean is logged."""
+    model, tok = tiny
+    batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
+    for on in (True, False):
+        rows = rollout_rows(variant, model, tok, batch, ta_anchor=anchor)
+        before, sizes = rows.loss_weights.clone(), lambda_by_brute_force(rows)
+        mean = grpo.weigh_by_lambda(rows, grpo.Config(lambda_weights=on))
+        mask = rows.completion_mask.bool()
+        assert torch.equal(mean, sizes[mask]) and (sizes[mask] > 1).any() and (sizes[mask] == 1).any()
+        assert torch.allclose(rows.loss_weights, torch.where(mask, before / sizes, 0.0) if on else before)
+    if variant == "ta":  # anchored on q0, one question's phrasings share a context: more rows share a prefix
+        contexts = {tuple(c) for c in rows.contexts}
+        assert len(contexts) == (3 if anchor == "original" else len(rows.contexts) // 3)
 
 # -----------------------------------------------------------------------------
 # Wiring: where the schemes, rollouts, update and eval meet. Each expected value comes from the test's own
@@ -1429,25 +1502,41 @@ def test_the_corrected_command_runs_in_the_same_folder(tmp_path):
 @pytest.mark.parametrize("flags", [
     ["--response-prefix", "<answer>77</answer>"],
     ["--response-prefix", "<think></think><answer>77</answer>"],
-    ["--response-prefix", "so 77 is", "--answer-from", "last-number"],
-    ["--response-prefix", "<answer>77</answer>", "--answer-from", "math-verify"],
-    ["--response-prefix", "<think>ok</think>", "--variant", "ma"],
+    ["--response-prefix", "so 77 is", *LAST_NUMBER],
+    ["--response-prefix", "<think>x</think>\\boxed{77}", *LAST_NUMBER],
+    ["--response-prefix", "<answer>77</answer>", *MATH_VERIFIED],
+    ["--response-prefix", "\\boxed{76+1}", *MATH_VERIFIED],
 ])
 def test_a_response_prefix_never_earns_the_reward(flags, tmp_path, monkeypatch):
-    """At c8732ce a prefix that held the answer earned reward 1 for every lone EOS, in training and the eval."""
-    data = write(tmp_path, "77.jsonl", '{"question": "1+76=", "answer": "77", "rephrasings": ["76+1="]}\n' * 4)
+    """Under every shipped reward: at c8732ce a prefix that held the answer earned reward 1 for every lone EOS, in
+    training and the eval. The prefix alone is scored on every question before anything loads; the 77 of the
+    test data is caught too."""
+    if MATH_VERIFIED[1] in flags:
+        pytest.importorskip("math_verify", reason="the test command installs math-verify")
+    train = write(tmp_path, "train.jsonl", '{"question": "1+1=", "answer": "2"}\n' * 16)
+    test = write(tmp_path, "test.jsonl", '{"question": "1+76=", "answer": "77", "rephrasings": ["76+1="]}\n')
     monkeypatch.setattr(grpo, "load_model", lambda *a: pytest.fail("the model loaded"))
-    stop = run(*flags, "--data", data, "--test-data", data, "--out", str(tmp_path / "run"))
-    assert "holds an answer, or under ma closes the thought" in stop and "\n" not in stop
+    stop = run(*flags, "--data", train, "--test-data", test, "--out", str(tmp_path / "run"))
+    assert stop == f"grpo.py: error: --response-prefix {flags[1]!r} earns the reward alone"
     assert not (tmp_path / "run").exists()
 
 
-def test_a_response_prefix_may_open_what_the_model_closes(tiny):
+def test_a_response_prefix_that_closes_the_thought_under_ma_stops(tmp_path):
+    stop = run("--response-prefix", "<think>ok</think>", "--variant", "ma", "--out", str(tmp_path / "run"))
+    assert stop == "grpo.py: error: --response-prefix '<think>ok</think>' closes the thought under ma"
+
+
+def test_a_response_prefix_may_open_what_the_model_closes(tiny, tmp_path):
     """A prefix that opens the thought or the answer is allowed: the answer then ends in the completion. So is a
-    number inside an open thought under last-number: only what follows </think> is read."""
+    number inside an open thought under last_number: only what follows </think> is read. A reward that an empty
+    completion earns, a length bonus say, is the reward's own: the prefix adds nothing to it."""
+    (tmp_path / "bonus.py").write_text("def bonus(completions, **kw):\n    return [1.0 - len(c) / 99 for c in completions]\n")
     for flags in (["--response-prefix", "<think>"], ["--response-prefix", "<answer>"],
-                  ["--response-prefix", "<think>77", "--answer-from", "last-number"]):
-        assert grpo.parse_args(flags).response_prefix == flags[1]
+                  ["--response-prefix", "<think>77", *LAST_NUMBER],
+                  ["--response-prefix", "<think>", "--reward-fn", f"{tmp_path}/bonus.py:bonus"]):
+        cfg = grpo.parse_args(flags)
+        grpo.check_prefix(cfg, [{"question": "1+76=", "answer": "77"}])
+        assert cfg.response_prefix == flags[1]
     tok = tiny[1]
     cfg = grpo.Config(response_prefix="<think>x</think><answer>")
     assert grpo.score_batch(tok, samples_of(tok, ["7</answer>", "x"]), rows_of("7", 2), cfg).tolist() == [1.0, 0.0]
@@ -1543,7 +1632,7 @@ def test_prepare_gsm8k_writes_the_final_number_and_grpo_trains_on_it(tmp_path):
         rows = grpo.load_jsonl(tmp_path / "out" / f"{split}.jsonl")
         assert [r["answer"] for r in rows] == ["72", "1234", "-3"]
         assert [r["question"] for r in rows] == [r["question"] for r in GSM8K_LINES]
-    assert grpo.score("so the answer is \\(\\boxed{1,234}\\).", "1234", True, "last-number") == 1.0
+    assert last_number("so the answer is \\(\\boxed{1,234}\\).", "1234") == 1.0
     out = tmp_path / "run"
     assert run("--data", str(tmp_path / "out" / "train.jsonl"), "--test-data", str(tmp_path / "out" / "test.jsonl"),
                "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--steps", "1",
@@ -1638,15 +1727,19 @@ def test_a_seeded_run_learns_alike_in_float32_and_under_cpu_bf16_autocast(tmp_pa
     assert all(pass1 > 0.15 and greedy > 0.2 for pass1, greedy in gains.values()), gains
 
 
-@pytest.mark.parametrize("variant", ["lambda", "ma", "ta"])
-def test_each_variant_runs_and_logs_its_own_metrics(variant, tmp_path):
-    own = {"lambda": ["lambda_mean"], "ma": ["thought_value", "unclosed_thoughts", "frac_value_zero_std"],
+@pytest.mark.parametrize("variant", ["grpo", "ma", "ta"])
+def test_each_variant_runs_with_and_without_lambda_and_logs_its_own_metrics(variant, tmp_path, capsys):
+    own = {"grpo": [], "ma": ["thought_value", "unclosed_thoughts", "frac_value_zero_std"],
            "ta": ["reward_rephrased", "frac_reward_zero_std_q0"]}[variant]
-    grpo.main(SMALL + ["--variant", variant, "--out", str(tmp_path / "run"), "--steps", "2",
-                       "--num-thoughts", "2", "--num-answers", "2"])
-    steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [l for l in steps if "loss" in l]
-    assert len(steps) == 2 and all(key in l for l in steps for key in own + ["reward", "grad_norm"])
+    for lam in ([], ["--lambda-weights"]):
+        out = tmp_path / str(len(lam))
+        grpo.main(SMALL + ["--variant", variant, "--out", str(out), "--steps", "2", "--num-thoughts", "2",
+                           "--num-answers", "2", *lam])
+        steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = [l for l in steps if "loss" in l]
+        assert len(steps) == 2 and all(key in l for l in steps for key in own + ["reward", "grad_norm", "lambda_mean"])
+        assert all(l["lambda_mean"] >= 1 for l in steps)
+        assert capsys.readouterr().out.splitlines()[-1].startswith(f"{variant}{' + λ' if lam else ''}: greedy ")
 
 # -----------------------------------------------------------------------------
 # Never lose a run: checkpoints, kills at any moment, crashes, protected folders, requeues
@@ -1824,13 +1917,13 @@ def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, uninter
     assert_same_run(out, uninterrupted)
 
 
-@pytest.mark.parametrize("variant", ["lambda", "ma"])
+@pytest.mark.parametrize("variant", ["grpo", "ma"])
 def test_log_completions_shows_one_group_as_text(variant, tmp_path, capsys):
     grpo.main(SMALL + ["--variant", variant, "--out", str(tmp_path / "run"), "--steps", "2", "--log-completions",
                        "1", "--num-generations", "3", "--num-thoughts", "2", "--num-answers", "2"])
     shown = capsys.readouterr()
     lines = [l for l in (shown.out + shown.err).splitlines() if re.match(r"step \d  r ", l)]
-    assert [l[5] for l in lines] == ["1"] * (3 if variant == "lambda" else 2) + ["2"] * (3 if variant == "lambda" else 2)
+    assert [l[5] for l in lines] == ["1"] * (3 if variant == "grpo" else 2) + ["2"] * (3 if variant == "grpo" else 2)
     for line in lines:
         reward, advantage = re.match(r"step \d  r (\d\.\d\d)  A ([-+]\d\.\d\d)  <think>", line).groups()
         assert 0 <= float(reward) <= 1
@@ -1923,7 +2016,7 @@ def tokens(words):
 def test_lambda_weights_project_page_example():
     group = ["ABCD", "ABEFHI", "JKLM", "JKLNQST", "JKLNQU", "VWYZ"]
     ids, mask = tokens(group)
-    w = grpo.lambda_weights(ids, mask, 6)
+    w = grpo.lambda_weights(ids, mask, torch.zeros(6, dtype=torch.long))
     expected = {"ABCD": [1/2, 1/2, 1, 1], "ABEFHI": [1/2, 1/2, 1, 1, 1, 1], "JKLM": [1/3, 1/3, 1/3, 1],
                 "JKLNQST": [1/3, 1/3, 1/3, 1/2, 1/2, 1, 1], "JKLNQU": [1/3, 1/3, 1/3, 1/2, 1/2, 1], "VWYZ": [1] * 4}
     for i, word in enumerate(group):
@@ -1933,48 +2026,47 @@ def test_lambda_weights_project_page_example():
 def test_lambda_weights_count_duplicates():
     ids, mask = tokens(["ABCD", "ABCD", "ABXY"])
     expected = torch.tensor([[1/3, 1/3, 1/2, 1/2], [1/3, 1/3, 1/2, 1/2], [1/3, 1/3, 1, 1]])
-    assert torch.allclose(grpo.lambda_weights(ids, mask, 3), expected)
+    assert torch.allclose(grpo.lambda_weights(ids, mask, torch.zeros(3, dtype=torch.long)), expected)
 
 
 def test_lambda_weights_padding_masks_and_groups():
     # row 1 is row 0 plus padding; the padding id equals row 0's next token: it must not join its prefix
     ids = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
-    w = grpo.lambda_weights(ids, mask, 2)  # groups {0, 1} and {2, 3} never mix
+    w = grpo.lambda_weights(ids, mask, torch.tensor([7, 7, 3, 3]))  # groups {0, 1} and {2, 3} never mix
     assert torch.equal(w, torch.tensor([[1/2, 1/2, 1], [1/2, 1/2, 0], [1/2, 1/2, 1/2], [1/2, 1/2, 1/2]]))
+    w = grpo.lambda_weights(ids, mask, torch.tensor([0, 1, 0, 1]))  # interleaved: rows 0 and 2, rows 1 and 3
+    assert torch.equal(w, torch.tensor([[1/2, 1/2, 1/2], [1/2, 1/2, 0], [1/2, 1/2, 1/2], [1/2, 1/2, 1]]))
     hole = torch.tensor([[1, 0, 1], [1, 1, 1]])  # a masked token ends the shared prefix for good
-    assert torch.equal(grpo.lambda_weights(ids[:2], hole, 2), torch.tensor([[1/2, 0, 1], [1/2, 1, 1]]))
+    assert torch.equal(grpo.lambda_weights(ids[:2], hole, torch.zeros(2, dtype=torch.long)),
+                       torch.tensor([[1/2, 0, 1], [1/2, 1, 1]]))
 
 
-def trie_weights(ids, mask, group_size):
-    """Slow, obviously correct reference: insert every completion into a trie, count paths per node."""
+def trie_weights(ids, mask, groups):
+    """Slow, obviously correct reference: insert every completion into its group's trie, count paths per node."""
     B, T = ids.shape
-    out = torch.zeros(B, T)
-    for g in range(0, B, group_size):
-        counts = {}
-        for i in range(g, g + group_size):
-            for t in range(T):
-                if not all(mask[i, :t + 1]):
-                    break
-                key = tuple(ids[i, :t + 1].tolist())
-                counts[key] = counts.get(key, 0) + 1
-        for i in range(g, g + group_size):
-            for t in range(T):
-                if not all(mask[i, :t + 1]):
-                    break
-                out[i, t] = 1 / counts[tuple(ids[i, :t + 1].tolist())]
+    out, counts = torch.zeros(B, T), {}
+    prefixes = [[(int(groups[i]), tuple(ids[i, :t + 1].tolist())) for t in range(T) if all(mask[i, :t + 1])]
+                for i in range(B)]
+    for key in itertools.chain(*prefixes):
+        counts[key] = counts.get(key, 0) + 1
+    for i in range(B):
+        for t, key in enumerate(prefixes[i]):
+            out[i, t] = 1 / counts[key]
     return out
 
 
 @pytest.mark.parametrize("group_size,T,vocab", [(2, 5, 2), (4, 8, 2), (6, 6, 3), (8, 12, 2), (16, 4, 2)])
 def test_lambda_weights_match_a_trie(group_size, T, vocab):
+    """Groups of one size, consecutive, then ragged groups in a random order, with ids that are not 0..n-1."""
     g = torch.Generator().manual_seed(group_size * 100 + T)
     for _ in range(5):
         B = group_size * 3
         ids = torch.randint(0, vocab, (B, T), generator=g)
         lengths = torch.randint(1, T + 1, (B,), generator=g)
         mask = (torch.arange(T)[None] < lengths[:, None]).long()
-        assert torch.equal(grpo.lambda_weights(ids, mask, group_size), trie_weights(ids, mask, group_size))
+        for groups in (torch.arange(B) // group_size, 10 * torch.randint(0, 4, (B,), generator=g)):
+            assert torch.equal(grpo.lambda_weights(ids, mask, groups), trie_weights(ids, mask, groups))
 
 
 def shared_prefix_group(g, G=6, T=6, vocab=2):
@@ -2012,7 +2104,7 @@ def test_lambda_equivalence_theorem():
         grpo_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask), **kw)
         prm_loss, _ = grpo.policy_loss(logps, logps.detach(), step_adv, mask, dapo(mask), **kw)
         assert grpo_loss.item() == pytest.approx(prm_loss.item(), abs=1e-6)
-        weights = grpo.lambda_weights(ids, mask, G).double()
+        weights = grpo.lambda_weights(ids, mask, torch.zeros(G, dtype=torch.long)).double()
         lam_loss, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask) * weights, **kw)
         # per-node form: every trie node once, with its mean advantage, over the raw token count
         d = ref - logps
@@ -2287,7 +2379,7 @@ def test_bench_lambda_weights_cost(request, tiny):
     lam, step = [], []
     for _ in range(5):
         t = time.perf_counter()
-        rows.loss_weights = grpo.aggregation_weights(mask) * grpo.lambda_weights(ids, mask, G)
+        rows.loss_weights = grpo.aggregation_weights(mask) * grpo.lambda_weights(ids, mask, torch.arange(B) // G)
         lam.append(time.perf_counter() - t)
         t = time.perf_counter()
         grpo.update(model, None, opt, rows, cfg)
@@ -2439,12 +2531,13 @@ def test_real_reward_parsing_of_decoded_text(qwen):
     tok = grpo.load_model(str(qwen), torch.device("cpu"))[1]
     for text, reward in [("<think>7+8=15 c1 4+3+1=8</think><answer>85</answer>", 1.0),
                          ("<think>\n7+8=15\n</think>\n\n<answer> 85 </answer>", 1.0),
-                         ("<think>x</think><answer>\\boxed{85}</answer>", 1.0),     # a box inside the tags
+                         ("<think>x</think><answer>\\boxed{85}</answer>", 0.0),     # LaTeX: not the default's
                          ("<think>x</think>\\boxed{85}", 0.0),                        # no tags
                          ("<think><answer>85</answer></think><answer>84</answer>", 0.0)]:
         ids = tok(text, add_special_tokens=False).input_ids + [QWEN_EOS[0]]
         decoded = grpo.decode(tok, torch.tensor([ids]), torch.ones(1, len(ids)))[0]
         assert decoded == text and grpo.score(decoded, "85", True) == reward, text
+        assert last_number(decoded, "85") == float("boxed" in text or reward), text  # a box in or out of the tags
 
 
 def test_real_lambda_weights_on_bpe_ids(qwen):
@@ -2455,8 +2548,8 @@ def test_real_lambda_weights_on_bpe_ids(qwen):
     T = max(map(len, rows))
     ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
-    w = grpo.lambda_weights(ids, mask, 4)
-    assert torch.equal(w, trie_weights(ids, mask, 4))
+    w = grpo.lambda_weights(ids, mask, torch.zeros(4, dtype=torch.long))
+    assert torch.equal(w, trie_weights(ids, mask, torch.zeros(4)))
     # '<think>' (three BPE pieces in Qwen2.5, one token in Qwen3) is shared by all four, '7+8=1' by three
     n4, n3 = (len(tok(t, add_special_tokens=False).input_ids) for t in ("<think>", "<think>7+8=1"))
     assert w[0, :n3].tolist() == pytest.approx([1 / 4] * n4 + [1 / 3] * (n3 - n4)) and w[3, n4].item() == 1
@@ -2497,7 +2590,7 @@ def test_a_run_shows_its_answers_and_truncations_on_a_real_tokenizer(tmp_path):
     tok = prepare.qwen_tokenizer(tmp_path, "qwen2.5")
     n = len(tok(JOSH, add_special_tokens=False).input_ids)
     model = scripted(tok, {"Josh?": JOSH + "<|im_end|>", "Long?": JOSH + " " + JOSH}, eos=QWEN_EOS)
-    cfg = grpo.Config(system_prompt="", answer_from="last-number", max_new_tokens=n + 1, num_generations=2)
+    cfg = grpo.Config(system_prompt="", reward_fn=LAST_NUMBER[1], max_new_tokens=n + 1, num_generations=2)
     rows, metrics = grpo.rollout_grpo(model, tok, cfg, [{"question": q, "answer": "120", "rephrasings": []}
                                                         for q in ("Josh?", "Long?")])
     assert metrics["frac_truncated"].tolist() == [False, False, True, True] and rows.rewards.tolist() == [1, 1, 0, 0]
@@ -2623,8 +2716,8 @@ def test_grpo_ma_trains_the_real_model_after_a_response_prefix(smollm2, tmp_path
     rows have non-zero advantages: a gradient), and the answers' reward rises against the first step."""
     sums = smollm2 / "sums"
     grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
-               str(sums / "test1.jsonl"), "--variant", "ma", "--response-prefix", "<think>", "--answer-from",
-               "last-number", "--prompts-per-step", "4", "--num-thoughts", "4", "--num-answers", "2",
+               str(sums / "test1.jsonl"), "--variant", "ma", "--response-prefix", "<think>", *LAST_NUMBER,
+               "--prompts-per-step", "4", "--num-thoughts", "4", "--num-answers", "2",
                "--max-new-tokens", "32", "--max-answer-tokens", "16", "--temperature", "0.7", "--lr", "3e-5",
                "--warmup-steps", "0", "--steps", "6", "--eval-samples", "1", "--out", str(tmp_path)])
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -2641,7 +2734,7 @@ def test_grpo_trains_the_real_model(smollm2, tmp_path):
     machine). The model learns to finish with the sum instead of explaining past the length limit."""
     sums = smollm2 / "sums"
     summary = grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
-                         str(sums / "test.jsonl"), "--system-prompt", "", "--answer-from", "last-number",
+                         str(sums / "test.jsonl"), "--system-prompt", "", *LAST_NUMBER,
                          "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "24", "--lr", "5e-5",
                          "--warmup-steps", "0", "--steps", "4", "--eval-every", "0", "--eval-samples", "4",
                          "--out", str(tmp_path)])
@@ -2681,28 +2774,28 @@ GSM8K_TEST_HEAD = [
 def test_bench_smollm2_writes_under_the_recipes_prompt(smol):
     """GRPO_BENCH=1 python -m pytest -q -s -k recipes_prompt: what SmolLM2-135M-Instruct writes for GSM8K's first
     8 test questions under the GPU recipe's system prompt (greedy, then 4 samples each at T = 1; 384 new tokens),
-    and what --answer-from last-number reads: each completion's end, the delimiters around its last \\boxed{},
+    and what last_number of data/rewards.py reads: each completion's end, the delimiters around its last \\boxed{},
     the answer read and the reward."""
     model, tok = smol
-    cfg = grpo.Config(system_prompt=BOXED, answer_from="last-number")
+    cfg = grpo.Config(system_prompt=BOXED, reward_fn=LAST_NUMBER[1])
     prompts = [grpo.prompt_ids(tok, cfg, question) for question, _ in GSM8K_TEST_HEAD]
     torch.manual_seed(0)
     for name, n, greedy in (("greedy", 1, True), ("T = 1", 4, False)):
         samples = grpo.generate(model, tok, prompts, n, 384, greedy=greedy)
-        texts = grpo.decode(tok, *samples[:2])
+        texts = grpo.decode(tok, samples.completion_ids, samples.completion_mask)
         references = [answer for _, answer in GSM8K_TEST_HEAD for _ in range(n)]
         rewards = grpo.score_batch(tok, samples, [{"question": q, "answer": a} for q, a in GSM8K_TEST_HEAD
                                                   for _ in range(n)], cfg)
         kinds = {}
-        for text, reference, reward, done in zip(texts, references, rewards.tolist(), samples[2].tolist()):
+        for text, reference, reward, done in zip(texts, references, rewards.tolist(), samples.finished.tolist()):
             box = text.rfind("\\boxed{")
             kind = ("no box" if box < 0 else next((k for k, opener in (("\\( \\)", "\\("), ("\\[ \\]", "\\["),
                                                                     ("$ $", "$")) if text[:box].rstrip().endswith(opener)),
                                                  "bare \\boxed{}"))
             kinds[kind] = kinds.get(kind, 0) + 1
-            print(f"{name}: {kind:>12} | read {grpo.extract_answer(text, 'last-number')!r:>8} | ref {reference:>5} | "
+            print(f"{name}: {kind:>12} | read {data_rewards.read_last_number(text)!r:>8} | ref {reference:>5} | "
                   f"r {reward:.0f} | EOS {done:d} | ...{text[-90:]!r}")
-        print(f"{name}: {len(texts)} completions, {int(samples[2].sum())} ended with EOS; {kinds}; "
+        print(f"{name}: {len(texts)} completions, {int(samples.finished.sum())} ended with EOS; {kinds}; "
               f"reward {rewards.mean():.3f}", flush=True)
 
 
@@ -2749,14 +2842,14 @@ def timed_phases(monkeypatch, variant):
 
 
 @cuda
-@pytest.mark.parametrize("variant", ["grpo", "lambda", "ma", "ta"])
-def test_cuda_one_step_of_each_variant_at_the_qwen25_05b_shape(qwen05b, variant, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("variant,lam", [("grpo", []), ("grpo", ["--lambda-weights"]), ("ma", []), ("ta", [])])
+def test_cuda_one_step_of_each_variant_at_the_qwen25_05b_shape(qwen05b, variant, lam, tmp_path, monkeypatch, capsys):
     """One step of each variant on CUDA under bf16 autocast (the default there), β > 0 so the bf16 reference
     runs, gradient checkpointing on, 64 new tokens: the first line says so, every logged number is finite.
     Prints the peak memory and the seconds of sampling and of the update."""
     sums = HERE / "data" / "sums"
     flags = {"ma": ["--num-thoughts", "2", "--num-answers", "2", "--max-answer-tokens", "16"],
-             "ta": ["--num-rephrasings", "1", "--num-generations", "2"]}.get(variant, ["--num-generations", "4"])
+             "ta": ["--num-rephrasings", "1", "--num-generations", "2"]}.get(variant, ["--num-generations", "4"]) + lam
     times = timed_phases(monkeypatch, variant)
     torch.cuda.reset_peak_memory_stats()
     grpo.main(["--model", str(qwen05b), "--data", str(sums / "train.jsonl"), "--test-data", str(sums / "test.jsonl"),
@@ -2790,7 +2883,7 @@ def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
 
 
 # The GPU recipe of the README, as flags (its model and data aside).
-RECIPE = ["--system-prompt", BOXED, "--answer-from", "last-number", "--max-new-tokens", "512", "--lr", "1e-6",
+RECIPE = ["--system-prompt", BOXED, *LAST_NUMBER, "--max-new-tokens", "512", "--lr", "1e-6",
           "--warmup-steps", "0", "--micro-batch-size", "16", "--gradient-checkpointing", "--eval-limit", "200",
           "--eval-batch-size", "256", "--steps", "200"]
 
@@ -3035,7 +3128,7 @@ def test_bench_scoring_degenerate_completions(request):
         ours, theirs = [], []
         for _ in range(3):
             t = time.perf_counter()
-            grpo.score(text, "7", True), grpo.score(text, "7", True, "last-number")
+            grpo.score(text, "7", True), last_number(text, "7")
             ours.append(time.perf_counter() - t)
             t = time.perf_counter()
             regex.findall(text), regex.search(text)
@@ -3142,6 +3235,6 @@ def test_bench_compare_lambda(request, tmp_path):
     temperature sets how much of a group's completions share prefixes (mean |λ| over completion tokens)."""
     cells = {}
     for temperature in ("0.7", "1.0", "1.3"):
-        for variant_name in ("grpo", "lambda"):
-            cells[f"{variant_name}, T={temperature}"] = EVAL + ["--variant", variant_name, "--temperature", temperature]
+        for name, flags in (("grpo", []), ("grpo + λ", ["--lambda-weights"])):
+            cells[f"{name}, T={temperature}"] = EVAL + flags + ["--temperature", temperature]
     compare("λ-GRPO vs GRPO, shipped tiny model", cells, tmp_path, extra=["lambda_mean", "lambda_shared"])

@@ -80,7 +80,7 @@ def binary_tree(n, r_neg, lam, seed, steps=250, lr=1.0, G=16, depth=4, target=(0
         rewards = torch.where(is_target, 1.0, torch.where(near, r_neg, 0.7))
         mask = torch.ones(G, depth)
         weights = grpo.aggregation_weights(mask, "dapo")
-        weights = weights * grpo.lambda_weights(paths, mask, G) if lam else weights
+        weights = weights * grpo.lambda_weights(paths, mask, torch.zeros(G, dtype=torch.long)) if lam else weights
         advantages = grpo.group_advantages(rewards, torch.zeros(G, dtype=torch.long))
         loss, _ = grpo.policy_loss(logps, logps.detach(), advantages, mask, weights)
         opt.zero_grad()
