@@ -45,7 +45,7 @@ the rank helpers of section 7 do nothing.
 """
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -58,7 +58,7 @@ from tqdm import tqdm
 # pastes alone into a file and its examples run. In your own trainer, with log-probs (B, C) of the
 # sampled tokens under π, π_old and the reference:
 #     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
-#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(ids, mask, G)
+#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(..., groups)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     """GRPO's advantage: each reward normalised within its group. The rewards are B floats, the
@@ -133,9 +133,9 @@ def lambda_weights(completion_ids, completion_mask, groups):
     """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask. Rows share a group id when they
     continue the same context. Groups may be of any size and in any order; rows are right-padded.
 
-    The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t, i itself
-    and exact duplicates included. So a prefix that k completions share is trained once, not k
-    times. A group of 6:
+    |λ(i,t)| counts the rows of i's group that agree with i on tokens 0 to t. It includes i itself
+    and exact duplicates. So a prefix that k completions share is trained once, not k times. A
+    group of 6:
 
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
@@ -144,13 +144,12 @@ def lambda_weights(completion_ids, completion_mask, groups):
         J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
         V W Y Z            1   1   1   1
 
-    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 0], [1, 2, 3]])
-    >>> lambda_weights(ids, torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]]),
-    ...                torch.tensor([0, 0, 0, 1]))
+    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 0]])  # row 2 continues another context
+    >>> mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    >>> lambda_weights(ids, mask, torch.tensor([0, 0, 1]))
     tensor([[0.5000, 0.5000, 1.0000],
             [0.5000, 0.5000, 1.0000],
-            [1.0000, 1.0000, 0.0000],
-            [1.0000, 1.0000, 1.0000]])
+            [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
     policy and the KL terms, not the normaliser. It walks the groups' prefix trees a token at a
@@ -333,7 +332,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         each step   a token per row; the rows that ended leave the batch and the cache;
                     logits = lm_head(decoder(token, cache)) for the rest, row r being active[r]"""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
-        return Samples(*(torch.zeros(0, 0, dtype=torch.long),) * 2, torch.zeros(0, dtype=torch.bool))
+        none = torch.zeros(0, 0, dtype=torch.long)
+        return Samples(none, none, torch.zeros(0, dtype=torch.bool))
     device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
@@ -407,9 +407,10 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
                 weights, rewards), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO-MA in two steps. First sample the tree: K thoughts per prompt, each ending at the token
-    that completes </think>, then M answers per closed thought, after prompt + thought. An open
-    thought gets no answers, so V = 0. Then lay out its rows, K = 2, M = 2, thought 1 open:
+    """GRPO-MA in two steps. First sample the tree. Each prompt gets K thoughts, each ending at the
+    token that completes </think>. Each closed thought gets M answers, sampled after prompt +
+    thought. An open thought gets no answers, so V = 0. Then lay out the tree's rows. With K = 2,
+    M = 2 and thought 1 open:
 
         row  context             completion        advantage  w (--ma-weighting parts)
         0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
@@ -420,33 +421,35 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
     Instead --ma-weighting tokens pools both parts in one mean."""
     K, M = cfg.num_thoughts, cfg.num_answers
-    # 1. The tree. P = 2, K = 2, M = 2, thought 1 open, so A = 6 answers:
-    #    thought_prompt  [0 0 1 1]          the prompt of each thought
-    #    closed          [T F T T]          whether it holds </think>
-    #    answer_thought  [0 0 2 2 3 3]      the thought of each answer
+    # 1. Sample the tree. With P = 2, K = 2, M = 2 and thought 1 open, there are 6 answers:
+    #    thought_prompt  [0 0 1 1]        the prompt of each thought
+    #    closed          [T F T T]        whether it holds </think>
+    #    answer_thought  [0 0 2 2 3 3]    the thought of each answer, M per closed thought
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
-                        stop_strings=["</think>"])  # (P·K, C)
+                        stop_strings=["</think>"])  # P·K rows
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts])
-    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # (A,)
-    after = [prompts[p] + ids[m.bool()].tolist()  # prompt + thought, what its answers continue
-             for p, ids, m in zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
-    answers = generate(model, tokenizer, [after[k] for k in closed.nonzero().squeeze(1)], M,
-                       cfg.max_answer_tokens, cfg.temperature)  # (A, C)
+    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)
+    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what its answers continue
+             zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
+    answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
+                       cfg.max_answer_tokens, cfg.temperature)  # a row per answer_thought
+    before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored after it
     rewards = score_batch(tokenizer, answers, [batch[p] for p in thought_prompt[answer_thought]],
-                          cfg, before=[cfg.response_prefix + thought_texts[k] for k in answer_thought])
+                          cfg, before=before)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    # 2. The rows: the P·K thoughts, then the A answers, right-padded to one width
+    # 2. The rows: the P·K thoughts, then the answers, each row right-padded to one width
     stack = lambda thought_part, answer_part: torch.nn.utils.rnn.pad_sequence(
-        [*thought_part, *answer_part], batch_first=True)  # (P·K + A, C)
+        [*thought_part, *answer_part], batch_first=True)
     ids = stack(thoughts.completion_ids, answers.completion_ids)
     mask = stack(thoughts.completion_mask, answers.completion_mask)
     if cfg.ma_weighting == "parts":  # thoughts and answers aggregated apart, each with its limit
         weights = stack(batch_weights(thoughts.completion_mask, cfg.loss_type, cfg.max_new_tokens),
-                        batch_weights(answers.completion_mask, cfg.loss_type, cfg.max_answer_tokens))
+                        batch_weights(answers.completion_mask, cfg.loss_type,
+                                      cfg.max_answer_tokens))
     else:  # one token mean over both
         weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
     contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]
@@ -459,54 +462,51 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                 torch.cat([values, rewards])), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
-    """TA-GRPO: each question q0 with up to N of its rephrasings, drawn afresh each step, and G
-    responses to each phrasing. Advantages are normalised over the question's (N+1)·G responses.
-    Under --ta-anchor original every response's context is its q0; under rephrased, the phrasing
-    it was sampled after. Two questions, N = 1, G = 2, and Q1 has no rephrasing:
+    """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step.
+    Each phrasing gets G responses. Advantages are normalised over the question's (N+1)·G
+    responses. Under --ta-anchor original every response's context is its q0. Under rephrased it
+    is the phrasing the response was sampled after. Take two questions, N = 1 and G = 2, where Q1
+    has no rephrasing. Then texts = [Q0's q0, Q0's q1, Q1's q0] and question = [0, 0, 1]:
 
-        phrasing j    0          1          2           texts[j], question[j], q0[j]
-        text          Q0's q0    Q0's q1    Q1's q0
-        question      0          0          1           its group
-        q0            0          0          2           the phrasing of its question's q0
-        rows          0 1        2 3        4 5
-        context       phrasing 0 phrasing 0 phrasing 2  --ta-anchor original
-                      phrasing 0 phrasing 1 phrasing 2  --ta-anchor rephrased"""
+        row        0 1   2 3   4 5
+        phrasing   0 0   1 1   2 2    the phrasing it was sampled after
+        group      0 0   0 0   1 1    its question, whose rows the advantages pool
+        q0         0 0   0 0   2 2    the phrasing of its question's q0
+        context    0 0   0 0   2 2    the phrasing it continues: q0's under --ta-anchor original,
+                   0 0   1 1   2 2    its own under rephrased"""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    texts, question = [], []  # for each phrasing j: its text, and its question's index in batch
+    texts, question = [], []  # for each phrasing: its text, and its question's index in batch
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
         texts += [ex["question"]] + drawn  # so a question's q0 is its first phrasing
         question += [p] * (1 + len(drawn))
-    q0 = [question.index(p) for p in question]
     phrasings = [prompt_ids(tokenizer, cfg, text) for text in texts]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) what each row was sampled after
-    group = torch.tensor(question)[phrasing]  # (B,)
+    phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) each, as in the table
+    group = torch.tensor(question)[phrasing]
+    q0 = torch.tensor([question.index(p) for p in group.tolist()])
     rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg,
                           [texts[j] for j in phrasing])  # each prompt as it was asked
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
-    anchor = torch.tensor(q0)[phrasing] if cfg.ta_anchor == "original" else phrasing  # (B,)
-    is_q0 = phrasing == torch.tensor(q0)[phrasing]
-    r0 = rewards[is_q0].view(-1, G)  # q0's own G rewards, as GRPO's
+    r0 = rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
-                   completion_length=s.completion_mask.sum(1).float(),
-                   reward_rephrased=rewards[~is_q0], frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1),
-                   frac_truncated=~s.finished)
+                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished,
+                   reward_rephrased=rewards[phrasing != q0],
+                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
     weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
-    return Rows([phrasings[j] for j in anchor], s.completion_ids, s.completion_mask, advantages,
+    context = q0 if cfg.ta_anchor == "original" else phrasing
+    return Rows([phrasings[j] for j in context], s.completion_ids, s.completion_mask, advantages,
                 weights, rewards), metrics
 
-def weigh_by_lambda(rows: Rows, cfg) -> torch.Tensor:
-    """λ-GRPO's weighting, for any variant: under --lambda-weights each token's w is divided by
-    |λ(i,t)|, counted over the rows that continue i's context. Under ma those are a prompt's
-    thoughts, or a thought's answers. Under ta they are the responses anchored on one phrasing.
-    It returns each token's |λ|, logged as lambda_mean whether or not the flag is on."""
-    ids = {}  # an id per distinct context
-    groups = torch.tensor([ids.setdefault(tuple(context), len(ids)) for context in rows.contexts])
+def lambda_rows(rows: Rows, on: bool):
+    """λ-GRPO's weighting, for any variant. It returns the rows and each token's |λ(i,t)|. If on,
+    each token's w is divided by |λ(i,t)|. It counts the rows that continue i's context. Under ma
+    those are a prompt's thoughts, or a thought's answers. Under ta they are the responses
+    anchored on one phrasing."""
+    groups = torch.tensor([rows.contexts.index(context) for context in rows.contexts])  # (B,)
     inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
-    if cfg.lambda_weights:
-        rows.loss_weights = rows.loss_weights * inv_lambda
-    return 1 / inv_lambda[rows.completion_mask.bool()]
+    weights = rows.loss_weights * inv_lambda if on else rows.loss_weights
+    return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
@@ -540,10 +540,8 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """Takes μ = --num-iterations optimizer steps on a batch of rows, whichever variant made them.
-    The weights w count the whole batch on all ranks. So a micro-batch's loss is its piece of -J,
-    and the pieces summed over micro-batches and ranks are -J. Each backward adds up a rank's
-    gradients, and sum_gradients the ranks'. At μ = 1 the logged loss is -Σ w A, which says little
-    of progress: watch the reward."""
+    A micro-batch's loss is its piece of -J, as train's rule 1 shows. At μ = 1 the logged loss is
+    -Σ w A, which says little of progress: watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     # rows sorted by length pad less, and the order changes no sum, as w are shares of the batch
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
@@ -579,8 +577,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 
 # 6. The training loop and the eval.
 def train(cfg) -> dict:
-    """Train as configured. Eval the starting policy unless the run resumes; then, each step, draw
-    the batch and a seed, roll out, update, log; eval and save when due; return rank 0's summary.
+    """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
+    Then each step draws its batch, rolls out, updates and logs. The eval and the save come when
+    due.
 
     The rules an editor of the loop must keep:
     1. A token's w is its share of the batch on all ranks. The rollout fixes it, before update
@@ -595,10 +594,10 @@ def train(cfg) -> dict:
         rank 0    micro-batch 0: 2 rows    micro-batch 1: 2 rows    10 tokens    pieces a, b
         rank 1    micro-batch 0: 2 rows    micro-batch 1: 2 rows     6 tokens    pieces c, d
 
-    A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
-    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient to the rank's, and
-    sum_gradients adds the ranks'. A w of 1/10 on rank 0 and 1/6 on rank 1 would weigh each
-    token of rank 1 10/6 times as much as one of rank 0."""
+    A piece is Σ w ℓ over its rows, where ℓ is a token's term of policy_loss. So a + b + c + d is
+    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient to the rank's. Then
+    sum_gradients adds the ranks'. Each rank's own count would give w = 1/10 on rank 0 and 1/6 on
+    rank 1. Then a token of rank 1 would weigh 10/6 times as much as one of rank 0."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
@@ -617,12 +616,11 @@ def train(cfg) -> dict:
         bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
         for step in bar:
             t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
-            # the step's seed draws its P prompts, so a resume draws the same; ranks split them
-            seed = cfg.seed * 1_000_003 + step
+            seed = cfg.seed * 1_000_003 + step  # rule 3; the ranks split its P prompts
             batch = random.Random(seed).sample(examples, P)[rank * P // W:(rank + 1) * P // W]
             torch.manual_seed(seed * W + rank)  # and each rank samples its own completions
             rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
-            metrics["lambda_mean"] = weigh_by_lambda(rows, cfg)  # 1/|λ| in w under --lambda-weights
+            rows, metrics["lambda_mean"] = lambda_rows(rows, cfg.lambda_weights)
             metrics = mean_over_ranks(metrics)
             metrics |= update(model, ref_model, optimizer, rows, cfg)
             scheduler.step()
@@ -907,7 +905,7 @@ def main(argv=None):
     """The command line: bad flags, files or data stop with one line that names them."""
     try:
         return train(parse_args(argv))
-    except (UserError, OSError, ImportError) as e:  # a missing file, model or package; an unwritable --out
+    except (UserError, OSError, ImportError) as e:  # a missing file, package or model, say
         sys.exit(f"grpo.py: error: {e}")
 
 if __name__ == "__main__":

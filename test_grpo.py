@@ -1169,6 +1169,33 @@ def test_pieces_weighted_by_the_whole_batch_add_up_to_its_loss(loss_type):
     assert total.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
+def test_rule_1_of_the_loop_two_ranks_of_two_micro_batches_add_up_to_one_process():
+    """train's worked example: 8 rows of 16 tokens, 10 on rank 0 and 6 on rank 1, 2 micro-batches of 2 rows each,
+    dapo. At ρ = 1 a token's term is -A. With A = +1 on rank 0's rows and -1 on rank 1's, the four pieces add up to
+    the one-process loss -(10 - 6) / 16 = -0.25, and so do their gradients; each rank's own count would give
+    -(10 / 10 - 6 / 6) = 0."""
+    lengths = torch.tensor([3, 2, 3, 2, 2, 1, 2, 1])
+    mask = (torch.arange(3)[None] < lengths[:, None]).long()
+    adv = torch.tensor([1.0] * 4 + [-1.0] * 4)
+    logps = torch.zeros(8, 3, requires_grad=True)
+    whole, _ = grpo.policy_loss(logps, logps.detach(), adv, mask, grpo.aggregation_weights(mask, "dapo"))
+    whole.backward()
+    one_process, logps.grad = logps.grad, None
+    pieces, own_count = [], 0.0
+    for rank in (slice(0, 4), slice(4, 8)):
+        w = grpo.aggregation_weights(mask[rank], "dapo", num_rows=8, num_tokens=16)  # as batch_weights gives it
+        assert torch.equal(w[mask[rank].bool()], torch.full((int(mask[rank].sum()),), 1 / 16))
+        for micro in (slice(rank.start, rank.start + 2), slice(rank.start + 2, rank.stop)):
+            rows = slice(micro.start - rank.start, micro.stop - rank.start)
+            piece, _ = grpo.policy_loss(logps[micro], logps[micro].detach(), adv[micro], mask[micro], w[rows])
+            piece.backward()  # adds into logps.grad, as a rank's backward passes add into .grad
+            pieces.append(piece.item())
+        own = grpo.aggregation_weights(mask[rank], "dapo")  # this rank's 10 or 6 tokens: wrong
+        own_count += grpo.policy_loss(logps[rank], logps[rank].detach(), adv[rank], mask[rank], own)[0].item()
+    assert whole.item() == pytest.approx(-0.25) and sum(pieces) == pytest.approx(-0.25) and len(pieces) == 4
+    assert torch.allclose(logps.grad, one_process) and own_count == pytest.approx(0.0, abs=1e-6)
+
+
 MA_SCRIPTS = {"1+2=": "<think>a</think>" + "<answer>3</answer>", "2+2=": "<think>bb</think>" + "<answer>4</answer>",
               "3+3=": "<think>ccc"}  # thoughts of 2 and 3 tokens, then answers of 3; the last never closes
 
@@ -1287,10 +1314,11 @@ def test_lambda_weights_divide_every_variants_weights_by_a_count_over_rows_of_on
     for on in (True, False):
         rows = rollout_rows(variant, model, tok, batch, ta_anchor=anchor)
         before, sizes = rows.loss_weights.clone(), lambda_by_brute_force(rows)
-        mean = grpo.weigh_by_lambda(rows, grpo.Config(lambda_weights=on))
+        weighed, lambda_sizes = grpo.lambda_rows(rows, on)
         mask = rows.completion_mask.bool()
-        assert torch.equal(mean, sizes[mask]) and (sizes[mask] > 1).any() and (sizes[mask] == 1).any()
-        assert torch.allclose(rows.loss_weights, torch.where(mask, before / sizes, 0.0) if on else before)
+        assert torch.equal(lambda_sizes, sizes[mask]) and (sizes[mask] > 1).any() and (sizes[mask] == 1).any()
+        assert torch.allclose(weighed.loss_weights, torch.where(mask, before / sizes, 0.0) if on else before)
+        assert torch.equal(rows.loss_weights, before)  # the rollout's rows are left as they were
     if variant == "ta":  # anchored on q0, one question's phrasings share a context: more rows share a prefix
         contexts = {tuple(c) for c in rows.contexts}
         assert len(contexts) == (3 if anchor == "original" else len(rows.contexts) // 3)
@@ -1715,9 +1743,9 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path):
 
 def test_a_seeded_run_learns_alike_in_float32_and_under_cpu_bf16_autocast(tmp_path, capsys):
     """40 steps of the default run, in float32 and under bf16 autocast on the CPU, the code path a GPU takes: on 100
-    held-out questions pass@1 rises +0.270 and +0.249 here, greedy +0.42 in both. With autocast's cache of bf16
-    weights left stale after each step (torch.clear_autocast_cache removed from update), the bf16 run gains +0.010 in
-    pass@1 and 0.0 in greedy (seed 1: +0.037 and 0.0)."""
+    held-out questions pass@1 rises +0.270 and +0.251 here, greedy +0.42 and +0.43. With autocast's cache on (train
+    opens it with cache_enabled=False), the bf16 weights cached at the first step go stale after it, and the bf16 run
+    gains +0.008 in pass@1 and +0.01 in greedy (seed 1: +0.035 and 0.0)."""
     gains = {}
     for autocast in ("off", "bf16"):
         summary = grpo.main(["--out", str(tmp_path / autocast), "--steps", "40", "--eval-limit", "100",
@@ -1897,6 +1925,46 @@ def test_a_run_folder_is_protected_and_a_resume_keeps_what_it_trains(tmp_path, c
     assert run(*SMALL, "--out", out, "--steps", "1", "--overwrite") is None
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
     assert [p.name for p in Path(out).glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+def test_a_checkpoint_saved_before_a_flag_existed_resumes(tmp_path):
+    """A flag added to Config after a run was saved is missing from its flags.json: it compares as its default, so
+    the run resumes; a value other than the default is still a change (here --lambda-weights, missing as a new flag
+    would be)."""
+    out = tmp_path / "run"
+    grpo.main(SMALL + ["--out", str(out), "--steps", "2"])
+    flags_file = out / "checkpoint-2" / "flags.json"
+    flags = json.loads(flags_file.read_text())
+    flags_file.write_text(json.dumps({k: v for k, v in flags.items() if k != "lambda_weights"}))
+    assert run(*SMALL, "--out", str(out), "--steps", "3", "--resume", "--lambda-weights") == (
+        f"grpo.py: error: --resume: the run in {out} was trained with --lambda-weights False")
+    assert run(*SMALL, "--out", str(out), "--steps", "3", "--resume") is None
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [3, 3]
+
+
+def test_the_loops_autocast_reuses_no_cast(tmp_path, monkeypatch):
+    """train's bf16 autocast, as it is opened: a forward after an optimizer step sees the new weights (a cached cast
+    would be stale), and a pass with gradients after one under no_grad gets the gradients of one alone (a cast
+    cached under no_grad has no graph on some torch versions, pytorch#112583)."""
+    opened, autocast = [], torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **kw: opened.append((a, kw)) or autocast(*a, **kw))
+    grpo.main(SMALL + ["--out", str(tmp_path / "run"), "--steps", "1", "--autocast", "bf16"])
+    (args, kwargs), = opened
+    assert args[:2] == ("cpu", torch.bfloat16) and kwargs["enabled"]
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with autocast(*args, **kwargs):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # an optimizer step
+        assert not torch.allclose(layer(x), before)
+        with torch.no_grad():
+            layer(x)
+        layer(x).float().sum().backward()
+    grad, layer.weight.grad = layer.weight.grad, None
+    with autocast(*args, **kwargs):
+        layer(x).float().sum().backward()
+    assert torch.equal(grad, layer.weight.grad) and grad.abs().sum() > 0
 
 
 def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, uninterrupted, capsys):
