@@ -33,9 +33,10 @@ A rollout fixes each w as a share of the whole batch, so update() needs no norma
             the rows of i's context that share o_i's tokens 0..t
 
 The symbols, one meaning each:
-    B rows of a batch, C completion tokens a row (padded), P prompts a step, G samples a prompt
-    K thoughts a prompt and M answers a thought (ma), N rephrasings and q0 the original (ta)
-    A advantage, w a token's weight, ρ ratio, μ updates a batch, ε clip, β KL coefficient
+    B rows of a batch, C completion tokens a row, P prompts a step, G samples a prompt, W ranks
+    K thoughts a prompt and M answers a thought (ma); N rephrasings of the original q0 (ta)
+    A advantage, V a thought's value, w a token's weight, J the objective, ρ ratio, ε clip,
+    β KL coefficient, μ updates a batch, T temperature, λ(i,t) the rows sharing o_i's prefix
 
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. The reward reads the answer tags; data/rewards.py reads real models.
@@ -235,24 +236,21 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 # read by the rewards of data/rewards.py, which a recipe names with --reward-fn.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 
-def tag_answer(text: str):
-    """What the last <answer>...</answer> after the first </think> holds, or None. A thought that
-    never closes holds no answer. It only splits and searches, so it takes linear time."""
-    if "<think>" in text and "</think>" not in text:
-        return None
-    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
-    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
-    return text[start + len("<answer>"):text.find("</answer>", start)] if start >= 0 else None
-
 def score(text: str, reference: str, finished: bool) -> float:
-    """1.0 if the completion finished with EOS and its tag_answer equals the reference, else 0.0.
-    Spaces around either are dropped. A numeric reference wants the same value, so '+85.0' and
-    '1,234' are numbers. Any other reference wants the same text, so '85 eggs' misses 85."""
-    answer = tag_answer(text)
-    if not finished or answer is None:
+    """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0. The
+    answer is what the last <answer>...</answer> after the first </think> holds. A thought that
+    never closes holds none. Spaces around either are dropped. A numeric reference wants the same
+    value, so '+85.0' and '1,234' are numbers. Any other wants the same text, so '85 eggs' misses
+    85. The reading only splits and searches, so it takes linear time."""
+    if not finished or "<think>" in text and "</think>" not in text:
         return 0.0
+    text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
+    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))  # the last closed one
+    if start < 0:
+        return 0.0
+    a = text[start + len("<answer>"):text.find("</answer>", start)].strip()
     num = lambda s: Fraction(s.replace(",", "")) if NUMBER_RE.fullmatch(s) and len(s) < 99 else None
-    a, ref = answer.strip(), reference.strip()
+    ref = reference.strip()
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
@@ -338,12 +336,12 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
     cache = transformers.DynamicCache()
-    logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, V)
+    logits = model.lm_head(run_decoder(model, ids, mask, cache)[:, -1]).float()  # (P, vocab)
     if cache.get_seq_length() != ids.shape[1]:  # transformers 5.17 ignored cache= without a word
         raise UserError(f"transformers {transformers.__version__} kept no KV cache: install 5.24+")
     index = torch.arange(len(prompts), device=device).repeat_interleave(n)
     cache.reorder_cache(index)  # an index_select with repeats, so prompt p fills rows p·n..p·n+n-1
-    logits, mask = logits[index], mask[index]  # (B, V), (B, L)
+    logits, mask = logits[index], mask[index]  # (B, vocab), (B, L)
     B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
     out, texts = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device), [""] * B
     lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
@@ -517,8 +515,8 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
     cache. Each row is right-padded, so no position sees only padding. On CUDA such a position
     can turn the attention's backward pass to NaN.
 
-        input      p1 p2 p3 t1 t2 pad     a context of n = 3 tokens, then its completion
-        predicts         t1 t2  -         position n - 1 + j predicts completion token j
+        input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
+        predicts         t1 t2  -         position 3 - 1 + j predicts completion token j
 
     The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
     mask, n = completion_mask.bool(), completion_mask.sum(1)  # a completion's n tokens come first
@@ -527,7 +525,7 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
     start = torch.tensor([len(context) - 1 for context in contexts], device=n.device)[:, None]
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
-    hidden = run_decoder(model, ids, attention)[predicts]  # (N, H), in the order of ids[mask]
+    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), in the order of ids[mask]
     chunk = max(1, 2**25 // model.lm_head.out_features)
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round

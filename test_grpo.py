@@ -865,7 +865,10 @@ def test_the_tag_reader_is_its_definition_and_reads_in_linear_time():
     rng = random.Random(0)
     for _ in range(3000):
         text = "".join(rng.choice(["<answer>", "</answer>", "a", "7", " ", "<", ">"]) for _ in range(rng.randrange(12)))
-        assert grpo.tag_answer(text) == data_rewards.tag_answer(text) == slow_tag_answer(text), text
+        answer = slow_tag_answer(text)
+        assert data_rewards.tag_answer(text) == answer, text
+        assert grpo.score(text, answer or "", True) == float(answer is not None), text  # it read that answer
+        assert grpo.score(text, "b", True) == 0.0, text
     hostile = "<think>x</think>" + "<answer>" * 125_000 + "7"
     assert grpo.score(hostile, "7", True) == 0.0 and grpo.score(hostile + "</answer>", "7", True) == 1.0
     assert math_verified(hostile, "7") == 0.0 if importlib.util.find_spec("math_verify") else True
