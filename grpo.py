@@ -264,17 +264,21 @@ def correct(prompts, completions, answer, finished=None, **columns):
             for c, a, f in zip(completions, answer, finished)]
 
 def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
-    """The B rewards of what generate returns, from one call of the reward function, as correct
-    describes. The prompts are the rows' questions, or `prompts` when given. Each completion is
-    scored with `before` in front of it, by default the response prefix."""
+    """The B rewards of what generate returns, as rewards_of gives them. Each completion is scored
+    with `before` in front of it, by default the response prefix."""
     texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
-    columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
     before = before or [cfg.response_prefix] * len(texts)
-    rewards = torch.tensor(reward_function(cfg.reward_fn)(
-        prompts=prompts or columns["question"], completions=[b + t for b, t in zip(before, texts)],
-        finished=samples.finished.tolist(), **columns), dtype=torch.float)
+    return rewards_of(cfg, examples, [b + t for b, t in zip(before, texts)],
+                      samples.finished.tolist(), prompts)
+
+def rewards_of(cfg, examples, texts: list[str], finished: list[bool], prompts=None):
+    """The rewards of B completions from one call of the reward function, as correct describes.
+    The prompts are the rows' questions, or `prompts` when given."""
+    columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
+    rewards = torch.tensor(reward_function(cfg.reward_fn)(prompts=prompts or columns["question"],
+        completions=texts, finished=finished, **columns), dtype=torch.float)
     if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # one float per completion
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
@@ -775,11 +779,9 @@ def check_prefix(cfg: Config, examples: list[dict]):
     """Score an empty completion on every question, so a reward that fails does so before anything
     loads. Then stop if --response-prefix alone earns more reward than that on any question. Every
     lone EOS would earn it, so the reward would not come from the model."""
-    columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}
-    reward = lambda text: reward_function(cfg.reward_fn)(prompts=columns["question"], completions=[
-        text] * len(examples), finished=[True] * len(examples), **columns)
+    reward = lambda text: rewards_of(cfg, examples, [text] * len(examples), [True] * len(examples))
     empty = reward("")
-    if cfg.response_prefix and any(a > b for a, b in zip(reward(cfg.response_prefix), empty)):
+    if cfg.response_prefix and (reward(cfg.response_prefix) > empty).any():
         raise UserError(f"--response-prefix {cfg.response_prefix!r} earns the reward alone")
 
 @functools.cache

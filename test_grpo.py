@@ -810,7 +810,9 @@ def test_a_bad_reward_function_stops_with_one_line(tmp_path):
         assert stop.startswith("grpo.py: error: ") and message in stop and "\n" not in stop, stop
         assert not (tmp_path / "run").exists()  # before anything loads
     stop = run(*SMALL, "--reward-fn", f"{tmp_path}/rewards.py:one_short", "--steps", "1", *out)
-    assert stop == f"grpo.py: error: --reward-fn {tmp_path}/rewards.py:one_short gave tensor([1., 1., 1.]) for 4 completions"
+    # check_prefix scores an empty completion on the 3000 + 4 questions, so it stops before anything loads
+    assert stop.startswith(f"grpo.py: error: --reward-fn {tmp_path}/rewards.py:one_short gave tensor([1., 1.,"), stop
+    assert stop.endswith("for 3004 completions") and "\n" not in stop and not (tmp_path / "run").exists()
 
 
 def test_the_default_reward_takes_trls_call():
