@@ -17,20 +17,13 @@ One GRPO step, as train runs it:
         loss.backward(); clip the gradient norm; optimizer.step()     update
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
-By default μ = 1. Then π_old is π itself, so ρ = 1 and nothing is clipped. The gradient is the
-policy gradient -Σ w A ∇ log π. Config has the defaults.
-
 The variants change what a row holds: its context, its advantage A and its token weights w.
 A rollout fixes each w as a share of the whole batch, so update() needs no normaliser.
 
-    grpo    the prompt of q; A_i normalised within q's G samples      DeepSeekMath, arXiv 2402.03300
-    ma      K thoughts per q, then M answers after prompt + thought;  GRPO-MA, arXiv 2509.24494
-            a thought's A from the mean reward V of its answers;
-            thoughts and answers are two parts of the loss
-    ta      q0 and N rephrasings, G samples each; A over all (N+1)·G  TA-GRPO, arXiv 2601.22478
-            of q0; every context is q0's prompt
-    --lambda-weights, with any of them: w_it divided by |λ(i,t)|,    λ-GRPO, arXiv 2509.21154
-            the rows of i's context that share o_i's tokens 0..t
+    grpo    G samples of q; A_i normalised within them              DeepSeekMath, arXiv 2402.03300
+    ma      K thoughts of q, M answers of each; A(th) from V        GRPO-MA, arXiv 2509.24494
+    ta      G samples of q0 and of N rephrasings, all given q0      TA-GRPO, arXiv 2601.22478
+    --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
 
 The symbols, one meaning each:
     B rows of a batch, C completion tokens a row, P prompts a step, G samples a prompt, W ranks
@@ -39,10 +32,8 @@ The symbols, one meaning each:
     β KL coefficient, μ updates a batch, T temperature, λ(i,t) the rows sharing o_i's prefix
 
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
-trainer's forward pass. The reward reads the answer tags; data/rewards.py reads real models.
-No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our reading; TA-GRPO's
-rephrasings come from the data file. Under torchrun the ranks split each batch. In one process
-the rank helpers of section 7 do nothing.
+trainer's forward pass. No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our
+reading. TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split a batch.
 """
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
@@ -51,8 +42,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-import torch
-import transformers
+import torch, transformers
 from tqdm import tqdm
 
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
@@ -71,8 +61,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    Because of eps, 0.5 prints as 0.4999. A group of equal rewards gets exactly 0, not noise / eps.
-    """
+    Because of eps, 0.5 prints as 0.4999. Equal rewards give exactly 0, not noise / eps."""
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group: GRPO-MA's groups are ragged
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sum by id, not by view
     adv = rewards - mean[groups]
@@ -86,8 +75,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     return torch.where(high[groups] == low[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA's advantages of the thoughts and of their answers, from the answers' rewards, each
-    answer's thought and each thought's prompt. It returns the thoughts' A, the answers' A and V.
+    """GRPO-MA's advantages of the thoughts and of their answers. They come from the answers'
+    rewards, each answer's thought and each thought's prompt. It returns both A and V.
 
         V(th)   = the mean reward of th's answers; 0 for an unclosed one: ours, the paper is silent
         A(th)   = V(th) normalised over the K thoughts of its prompt
@@ -103,8 +92,7 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, also take rollout_ma's rows and its two loss parts.
-    """
+    To copy GRPO-MA, also take rollout_ma's rows and its two loss parts."""
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
     thought_adv = group_advantages(values, thought_prompt, scale, eps)
@@ -126,8 +114,7 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     So π given q0 learns from samples given q_j. No importance weight corrects for that, so the
     gradient is biased for π(· | q0). This is off-policy on purpose, as in arXiv 2601.22478v5,
     because the rephrasings explore. Its code conditions on each response's own q_j, as
-    --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO.
-    """
+    --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, groups):
@@ -137,7 +124,6 @@ def lambda_weights(completion_ids, completion_mask, groups):
     |λ(i,t)| counts the rows of i's group that agree with i on tokens 0 to t. It includes i itself
     and exact duplicates. So a prefix that k completions share is trained once, not k times. A
     group of 6:
-
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
         J K L M           1/3 1/3 1/3  1
@@ -153,8 +139,7 @@ def lambda_weights(completion_ids, completion_mask, groups):
             [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
-    policy and the KL terms, not the normaliser. It walks the groups' prefix trees a token at a
-    time: C sorts of B pairs."""
+    policy and the KL terms, not the normaliser. It walks the prefix trees a token at a time."""
     B, C = completion_ids.shape
     mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # no group's id
     node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
@@ -177,20 +162,17 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
-    less under λ-GRPO, to 2 with GRPO-MA's two parts. Counts are the whole batch's, on all ranks,
-    so the ranks' losses add up to its loss. TRL's bnpo divides by a micro-batch's tokens. Here
-    every weight counts the whole batch, so bnpo, which depends on the split, is left out.
-    """
+    less under λ-GRPO, to 2 with GRPO-MA's two parts. The counts are the whole batch's, on all
+    ranks, so the ranks' losses add up to its loss. TRL's bnpo divides by a micro-batch's tokens
+    instead, so it depends on the split and is left out."""
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
     tokens = mask.sum().item() if num_tokens is None else num_tokens
-    if loss_type == "grpo":
-        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1))
-    if loss_type == "dapo":
-        return mask / max(tokens, 1)
-    if loss_type == "dr_grpo":
-        return mask / (rows * (max_completion_length or mask.shape[1]))
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    divisor = {"dapo": max(tokens, 1), "dr_grpo": rows * (max_completion_length or mask.shape[1]),
+               "grpo": mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1)}  # the table above
+    if loss_type not in divisor:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return mask / divisor[loss_type]
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
@@ -208,16 +190,13 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
 
     At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
     terms of the min are then ρA. Either gives ∂loss/∂logp = -w A, the policy gradient. As in TRL,
-    ε_high is ε when None. The metrics are token means.
-    """
+    ε_high is ε when None. The metrics are token means."""
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(mask.bool(), adv, 0.0)  # (B, C), 0 off the mask
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # ρ
-    surrogate = ratio * adv
-    clipped_surrogate = ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv
-    loss = -torch.min(surrogate, clipped_surrogate)  # (B, C)
+    loss = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)  # (B, C)
     metrics, n = {}, mask.sum().clamp(min=1)
     if beta:
         assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
@@ -230,18 +209,15 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
     return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
 
-# 2. The reward: 1 if a completion ended with EOS and its answer is the reference, else 0. What
-# cannot be read is a miss, never a guess, because the policy would be trained toward a false
-# positive. Model output is read, never run. What real models write, such as a \boxed{} answer, is
-# read by the rewards of data/rewards.py, which a recipe names with --reward-fn.
+# 2. The reward. What cannot be read is a miss, never a guess, because the policy would be trained
+# toward a false positive. Model output is read, never run. data/rewards.py reads real models.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 
 def score(text: str, reference: str, finished: bool) -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0. The
     answer is what the last <answer>...</answer> after the first </think> holds. A thought that
-    never closes holds none. Spaces around either are dropped. A numeric reference wants the same
-    value, so '+85.0' and '1,234' are numbers. Any other wants the same text, so '85 eggs' misses
-    85. The reading only splits and searches, so it takes linear time."""
+    never closes holds none. A numeric reference wants the same value, so '+85.0' and '1,234' are
+    numbers. Any other wants the same text. Reading only splits and searches: linear time."""
     if not finished or "<think>" in text and "</think>" not in text:
         return 0.0
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
@@ -254,31 +230,22 @@ def score(text: str, reference: str, finished: bool) -> float:
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
-    """The default reward: score of each completion against its reference answer. It is called as
-    TRL calls a reward function, and so is any --reward-fn. The prompts and completions come as
-    text. Then each key of the data lines comes by name, with a value per row. grpo.py also passes
-    `finished`. TRL does not, so there every completion counts as finished. A TRL completion may
-    also be a list of chat messages."""
+    """The default reward. It is called as TRL calls a reward function, and so is any --reward-fn.
+    Prompts and completions come as text, or as chat messages from TRL. Each data key comes by
+    name, a value per row. grpo.py also passes `finished`. TRL does not, so there all finished."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
 
-def score_batch(tokenizer, samples, examples, cfg, prompts=None, before=None):
-    """The B rewards of what generate returns, as rewards_of gives them. Each completion is scored
-    with `before` in front of it, by default the response prefix."""
-    texts = decode(tokenizer, samples.completion_ids, samples.completion_mask)
+def score_batch(cfg, examples, texts: list[str], finished, prompts=None):
+    """The rewards of B completion texts, from one call of the reward function. Each text is
+    scored after --response-prefix. The prompts are the rows' questions, or `prompts` if given."""
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
-    before = before or [cfg.response_prefix] * len(texts)
-    return rewards_of(cfg, examples, [b + t for b, t in zip(before, texts)],
-                      samples.finished.tolist(), prompts)
-
-def rewards_of(cfg, examples, texts: list[str], finished: list[bool], prompts=None):
-    """The rewards of B completions from one call of the reward function, as correct describes.
-    The prompts are the rows' questions, or `prompts` when given."""
     columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
     rewards = torch.tensor(reward_function(cfg.reward_fn)(prompts=prompts or columns["question"],
-        completions=texts, finished=finished, **columns), dtype=torch.float)
+        completions=[cfg.response_prefix + t for t in texts], finished=[bool(f) for f in finished],
+        **columns), dtype=torch.float)
     if rewards.shape != (len(texts),) or not rewards.isfinite().all():  # one float per completion
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
@@ -400,7 +367,8 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
     group = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's prompt
-    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg)
+    texts = decode(tokenizer, s.completion_ids, s.completion_mask)
+    rewards = score_batch(cfg, [batch[p] for p in group], texts, s.finished)
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
     weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
@@ -409,11 +377,9 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
                 weights, rewards), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO-MA in two steps. First sample the tree. Each prompt gets K thoughts, each ending at the
-    token that completes </think>. Each closed thought gets M answers, sampled after prompt +
-    thought. An open thought gets no answers, so V = 0. Then lay out the tree's rows. With K = 2,
-    M = 2 and thought 1 open:
-
+    """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
+    Each closed thought gets M answers, sampled after prompt + thought. An open thought gets no
+    answers, so V = 0. With one prompt, K = 2, M = 2 and thought 1 open, the rows are:
         row  context             completion        advantage  w (--ma-weighting parts)
         0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
         1    prompt              thought 1 (open)  A(th_1)    1 / (all thought tokens)
@@ -438,9 +404,10 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
                        cfg.max_answer_tokens, cfg.temperature)  # a row per answer_thought
-    before = [cfg.response_prefix + thought_texts[k] for k in answer_thought]  # scored after it
-    rewards = score_batch(tokenizer, answers, [batch[p] for p in thought_prompt[answer_thought]],
-                          cfg, before=before)
+    answer_texts = decode(tokenizer, answers.completion_ids, answers.completion_mask)
+    texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
+    rewards = score_batch(cfg, [batch[p] for p in thought_prompt[answer_thought]], texts,
+                          answers.finished)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
     # 2. The rows: the P·K thoughts, then the answers, each row right-padded to one width
@@ -465,11 +432,8 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step.
-    Each phrasing gets G responses. Advantages are normalised over the question's (N+1)·G
-    responses. Under --ta-anchor original every response's context is its q0. Under rephrased it
-    is the phrasing the response was sampled after. Take two questions, N = 1 and G = 2, where Q1
-    has no rephrasing. Then texts = [Q0's q0, Q0's q1, Q1's q0] and question = [0, 0, 1]:
-
+    Each phrasing gets G responses. Take two questions, N = 1 and G = 2, where Q1 has no
+    rephrasing. Then texts = [Q0's q0, Q0's q1, Q1's q0] and question = [0, 0, 1]:
         row        0 1   2 3   4 5
         phrasing   0 0   1 1   2 2    the phrasing it was sampled after
         group      0 0   0 0   1 1    its question, whose rows the advantages pool
@@ -487,8 +451,8 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) each, as in the table
     group = torch.tensor(question)[phrasing]
     q0 = torch.tensor([question.index(p) for p in group.tolist()])
-    rewards = score_batch(tokenizer, s, [batch[p] for p in group], cfg,
-                          [texts[j] for j in phrasing])  # each prompt as it was asked
+    rewards = score_batch(cfg, [batch[p] for p in group], decode(
+        tokenizer, s.completion_ids, s.completion_mask), s.finished, [texts[j] for j in phrasing])
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
     r0 = rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
@@ -501,10 +465,9 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
                 weights, rewards), metrics
 
 def lambda_rows(rows: Rows, on: bool):
-    """λ-GRPO's weighting, for any variant. It returns the rows and each token's |λ(i,t)|. If on,
-    each token's w is divided by |λ(i,t)|. It counts the rows that continue i's context. Under ma
-    those are a prompt's thoughts, or a thought's answers. Under ta they are the responses
-    anchored on one phrasing."""
+    """λ-GRPO's weighting, for any variant. If on, each token's w is divided by |λ(i,t)|. It
+    counts the rows that continue i's context. Under ma those are a prompt's thoughts, or a
+    thought's answers. Under ta they are the responses anchored on one phrasing."""
     groups = torch.tensor([rows.contexts.index(context) for context in rows.contexts])  # (B,)
     inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
     weights = rows.loss_weights * inv_lambda if on else rows.loss_weights
@@ -514,8 +477,8 @@ ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
-    """Log softmax(logits / T) of each completion token, B by C, given its context and the
-    tokens before it; 0 off the mask. One forward pass over each context + completion, no KV
+    """Log softmax(logits / T) of each completion token, given its context and the tokens before
+    it. B by C, 0 off the mask. One forward pass over each context + completion, no KV
     cache. Each row is right-padded, so no position sees only padding. On CUDA such a position
     can turn the attention's backward pass to NaN.
 
@@ -542,12 +505,10 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
 
 def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """Takes μ = --num-iterations optimizer steps on a batch of rows, whichever variant made them.
-    A micro-batch's loss is its piece of -J, as train's rule 1 shows. At μ = 1 the logged loss is
-    -Σ w A, which says little of progress: watch the reward."""
+    At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
-    # rows sorted by length pad less, and the order changes no sum, as w are shares of the batch
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b)  # b row indices each
+    micro = lengths.argsort(stable=True).split(b)  # by length, to pad less: w are batch shares
     on = lambda x, s: x[s].to(device)
     logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(
         rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
@@ -573,16 +534,12 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])
-    means = {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
-             for k, v in zip(totals, sums)}
-    return means | {"grad_norm": torch.stack(grad_norms).mean().item()}
+    return {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
+            for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # 6. The training loop and the eval.
 def train(cfg) -> dict:
     """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
-    Then each step draws its batch, rolls out, updates and logs. The eval and the save come when
-    due.
-
     The rules an editor of the loop must keep:
     1. A token's w is its share of the batch on all ranks. The rollout fixes it, before update
        splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
@@ -590,16 +547,13 @@ def train(cfg) -> dict:
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree.
 
-    Rule 1 at work, with --loss-type dapo: 8 rows over 2 ranks, 2 micro-batches of 2 rows each.
-    They hold 16 tokens, so every w is 1/16:
+    Rule 1 at work, with --loss-type dapo: 8 rows hold 16 tokens, so every w is 1/16:
+        rank 0    micro-batch 0: 2 rows, pieces a    micro-batch 1: 2 rows, b    10 tokens
+        rank 1    micro-batch 0: 2 rows, pieces c    micro-batch 1: 2 rows, d     6 tokens
 
-        rank 0    micro-batch 0: 2 rows    micro-batch 1: 2 rows    10 tokens    pieces a, b
-        rank 1    micro-batch 0: 2 rows    micro-batch 1: 2 rows     6 tokens    pieces c, d
-
-    A piece is Σ w ℓ over its rows, where ℓ is a token's term of policy_loss. So a + b + c + d is
-    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient to the rank's. Then
-    sum_gradients adds the ranks'. Each rank's own count would give w = 1/10 on rank 0 and 1/6 on
-    rank 1. Then a token of rank 1 would weigh 10/6 times as much as one of rank 0."""
+    A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
+    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient, and sum_gradients adds
+    the ranks'. Had each rank counted its own tokens, w would be 1/10 on rank 0, 1/6 on rank 1."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
@@ -641,10 +595,9 @@ def train(cfg) -> dict:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. They come from n =
-    --eval-samples samples a question at the training temperature. A reward of 1 counts as right.
-    Each pass decodes --eval-batch-size rows a chunk, so a sampled chunk holds that over n
-    questions. Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples
-    plain completions."""
+    --eval-samples samples a question at the training temperature. Each pass decodes
+    --eval-batch-size rows a chunk, so a sampled chunk holds that over n questions. Chunk c is
+    seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
@@ -656,7 +609,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
             chunk = examples[start:start + size]
             prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
             s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, not sampled)
-            rewards = score_batch(tokenizer, s, [ex for ex in chunk for _ in range(rows)], cfg)
+            texts = decode(tokenizer, s.completion_ids, s.completion_mask)
+            rewards = score_batch(cfg, [ex for ex in chunk for _ in range(rows)], texts, s.finished)
             right = (rewards == 1).view(len(chunk), rows).sum(1).tolist()  # (questions,)
             greedy += 0 if sampled else sum(right)
             for r in right if sampled else []:  # a question with r of its n samples right
@@ -779,9 +733,9 @@ def check_prefix(cfg: Config, examples: list[dict]):
     """Score an empty completion on every question, so a reward that fails does so before anything
     loads. Then stop if --response-prefix alone earns more reward than that on any question. Every
     lone EOS would earn it, so the reward would not come from the model."""
-    reward = lambda text: rewards_of(cfg, examples, [text] * len(examples), [True] * len(examples))
-    empty = reward("")
-    if cfg.response_prefix and (reward(cfg.response_prefix) > empty).any():
+    n = len(examples)
+    empty = score_batch(replace(cfg, response_prefix=""), examples, [""] * n, [True] * n)
+    if cfg.response_prefix and (score_batch(cfg, examples, [""] * n, [True] * n) > empty).any():
         raise UserError(f"--response-prefix {cfg.response_prefix!r} earns the reward alone")
 
 @functools.cache
@@ -821,10 +775,9 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
     return model, tokenizer, ref_model, optimizer, scheduler
 
 def open_run(cfg: Config):
-    """The latest checkpoint, its state and log(), which appends to metrics.jsonl on rank 0. A
-    folder that holds a run is continued with --resume or replaced with --overwrite. Its state.pt
-    loads with weights_only, so no code runs. The log is cut back to the checkpoint, so no step is
-    in it twice."""
+    """The latest checkpoint, its state and log(). A folder that holds a run is continued with
+    --resume or replaced with --overwrite. Its state.pt loads with weights_only, so no code runs.
+    The log is cut back to the checkpoint, so no step is in it twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))

@@ -649,17 +649,16 @@ def test_math_verify_grades_the_last_box_of_what_qwen_writes():
     assert [math_verified(ending[:ending.rindex("\\boxed{") + 8], answer) for ending, answer, _ in boxed] == [0.0] * 34
 
 
-def test_score_batch_scores_each_text_after_its_prefix(tiny):
-    tok = tiny[1]
+def test_score_batch_scores_each_text_after_its_prefix():
     texts = ["<answer>8</answer>", "8", "<think>x</think><answer>8</answer>", "<think><answer>8</answer></think>"]
     for reward_fn, expected in [("", [1.0, 0.0, 1.0, 0.0]), (LAST_NUMBER[1], [1.0, 1.0, 1.0, 0.0])]:
         cfg = grpo.Config(reward_fn=reward_fn)
-        assert grpo.score_batch(tok, samples_of(tok, texts), rows_of("8", 4), cfg).tolist() == expected
-    unfinished = samples_of(tok, texts, finished=False)
-    assert grpo.score_batch(tok, unfinished, rows_of("8", 4), CFG).tolist() == [0.0] * 4
-    before = ["<think>a</think><answer>", "", "<think>", "<think>"]  # a response prefix, a GRPO-MA thought
-    assert grpo.score_batch(tok, samples_of(tok, ["8</answer>", "8", "x</think>8", "</think><answer>8</answer>"]),
-                            rows_of("8", 4), CFG, before=before).tolist() == [1.0, 0.0, 0.0, 1.0]
+        assert grpo.score_batch(cfg, rows_of("8", 4), texts, [True] * 4).tolist() == expected
+    assert grpo.score_batch(CFG, rows_of("8", 4), texts, torch.zeros(4, dtype=torch.bool)).tolist() == [0.0] * 4
+    cfg = grpo.Config(response_prefix="<think>")  # a GRPO-MA answer comes after its thought, both after the prefix
+    texts = ["a</think><answer>8</answer>", "8", "x</think>8", "</think><answer>8</answer>"]
+    assert grpo.score_batch(cfg, rows_of("8", 4), texts, [True] * 4).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert grpo.score_batch(cfg, [], [], []).shape == (0,)  # a rank whose thoughts all stayed open
 
 
 # Found by a hostile tester of the box-first reader, each read as the reference by its first form: words and
@@ -1572,7 +1571,7 @@ def test_a_response_prefix_may_open_what_the_model_closes(tiny, tmp_path):
         assert cfg.response_prefix == flags[1]
     tok = tiny[1]
     cfg = grpo.Config(response_prefix="<think>x</think><answer>")
-    assert grpo.score_batch(tok, samples_of(tok, ["7</answer>", "x"]), rows_of("7", 2), cfg).tolist() == [1.0, 0.0]
+    assert grpo.score_batch(cfg, rows_of("7", 2), ["7</answer>", "x"], [True] * 2).tolist() == [1.0, 0.0]
 
 
 def test_a_response_prefix_is_text_not_control_tokens(tiny):
@@ -2857,8 +2856,8 @@ def test_bench_smollm2_writes_under_the_recipes_prompt(smol):
         samples = grpo.generate(model, tok, prompts, n, 384, greedy=greedy)
         texts = grpo.decode(tok, samples.completion_ids, samples.completion_mask)
         references = [answer for _, answer in GSM8K_TEST_HEAD for _ in range(n)]
-        rewards = grpo.score_batch(tok, samples, [{"question": q, "answer": a} for q, a in GSM8K_TEST_HEAD
-                                                  for _ in range(n)], cfg)
+        rewards = grpo.score_batch(cfg, [{"question": q, "answer": a} for q, a in GSM8K_TEST_HEAD
+                                         for _ in range(n)], texts, samples.finished)
         kinds = {}
         for text, reference, reward, done in zip(texts, references, rewards.tolist(), samples.finished.tolist()):
             box = text.rfind("\\boxed{")

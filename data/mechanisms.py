@@ -136,9 +136,10 @@ def ma_spread(seed: int, prompts: int = 32, K: int = 4, repeats: int = 32):
 
     def draw(M):
         answers = grpo.generate(model, tok, contexts, M, cfg.max_answer_tokens, cfg.temperature)
-        before = [texts[t] for t in thoughts for _ in range(M)]
+        answer_texts = grpo.decode(tok, answers.completion_ids, answers.completion_mask)
+        after = [texts[t] + text for t, text in zip([t for t in thoughts for _ in range(M)], answer_texts)]
         rows = [examples[t // K] for t in thoughts for _ in range(M)]
-        return grpo.score_batch(tok, answers, rows, cfg, before=before)
+        return grpo.score_batch(cfg, rows, after, answers.finished)
     return {M: thought_advantage_spread(draw, thought_prompt, M, repeats) for M in MS}, len(keep)
 
 

@@ -252,7 +252,8 @@ def report(model, tokenizer, test, max_new_tokens: int = 32):
             kinds.append(next(k for k, t in enumerate(TEMPLATES) if re.fullmatch(
                 re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), text)))
     samples = grpo.generate(model, tokenizer, prompts, 1, max_new_tokens)
-    rewards = grpo.score_batch(tokenizer, samples, rows, grpo.Config())
+    texts = grpo.decode(tokenizer, samples.completion_ids, samples.completion_mask)
+    rewards = grpo.score_batch(grpo.Config(), rows, texts, samples.finished)
     per = [rewards[[k == j for k in kinds]].mean().item() for j in range(len(TEMPLATES))]
     print(f"held-out sampled accuracy {rewards.mean().item():.3f}; per wording "
           + " / ".join(f"{p:.2f}" for p in per) + f" ({len(prompts)} prompts)")
