@@ -10,7 +10,7 @@ One GRPO step, as train runs it:
     r_i = score(o_i, q's reference answer)                            score
     A_i = (r_i - mean(r)) / (std(r) + eps) over q's G samples         group_advantages
     w_it = 1 / (all completion tokens of the batch)                   aggregation_weights
-    repeat μ times:
+    repeat μ times (by default once, so ρ = 1 and no clip binds):
         logp_it = log π(o_it | q, o_i<t)                              completion_logps
         ρ_it = exp(logp_it - logp_old_it)                             policy_loss
         loss = -Σ_it w_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) + β Σ_it w_it KL_it
@@ -20,9 +20,9 @@ One GRPO step, as train runs it:
 The variants change what a row holds: its context, its advantage A and its token weights w.
 A rollout fixes each w as a share of the whole batch, so update() needs no normaliser.
 
-    grpo    G samples of q; A_i normalised within them              DeepSeekMath, arXiv 2402.03300
-    ma      K thoughts of q, M answers of each; A(th) from V        GRPO-MA, arXiv 2509.24494
-    ta      G samples of q0 and of N rephrasings, all given q0      TA-GRPO, arXiv 2601.22478
+    grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
+    ma      K thoughts of q, M answers of each; A(th) from its V    GRPO-MA, arXiv 2509.24494
+    ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
 
 The symbols, one meaning each:
@@ -76,7 +76,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
     """GRPO-MA's advantages of the thoughts and of their answers. They come from the answers'
-    rewards, each answer's thought and each thought's prompt. It returns both A and V.
+    rewards, each answer's thought and each thought's prompt. It returns A(th), A(ans) and V.
 
         V(th)   = the mean reward of th's answers; 0 for an unclosed one: ours, the paper is silent
         A(th)   = V(th) normalised over the K thoughts of its prompt
@@ -389,17 +389,14 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
     Instead --ma-weighting tokens pools both parts in one mean."""
     K, M = cfg.num_thoughts, cfg.num_answers
-    # 1. Sample the tree. With P = 2, K = 2, M = 2 and thought 1 open, there are 6 answers:
-    #    thought_prompt  [0 0 1 1]        the prompt of each thought
-    #    closed          [T F T T]        whether it holds </think>
-    #    answer_thought  [0 0 2 2 3 3]    the thought of each answer, M per closed thought
+    # 1. Sample the tree. The comments show its indices for P = 2 prompts, thought 1 open.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                         stop_strings=["</think>"])  # P·K rows
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)
+    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 1 1]: its prompt
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
-    closed = torch.tensor(["</think>" in text for text in thought_texts])
-    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)
+    closed = torch.tensor(["</think>" in text for text in thought_texts])  # [T F T T]
+    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2 3 3]: M a thought
     after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what its answers continue
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,

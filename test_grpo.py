@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -2687,6 +2688,32 @@ def test_a_run_on_a_real_tokenizer_shows_the_reward_on_its_bar_and_logs_truncati
     assert re.search(r"2/2 \[[^\]]*, reward \d\.\d{3}\]", err), err[-300:]  # tqdm's bar, its postfix
     steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in l]
     assert [l["frac_truncated"] for l in steps] == [1.0, 1.0]  # random weights write no EOS in 6 tokens
+
+
+@pytest.mark.parametrize("qwen", ["qwen2.5"], indirect=True)
+def test_the_readmes_gsm8k_command_runs_as_written_on_a_random_model_at_qwens_vocabulary(qwen, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """The README's GSM8K command, read from README.md, with its model, data and run folder swapped for a random
+    Qwen2.5-shaped model at the real vocabulary and prepare.py's output, and one step of 2 x 2 rows with a 2-question
+    eval appended. Every other flag runs as written: the system prompt, last_number, 512 new tokens, lr, micro-batches
+    of 16, gradient checkpointing, the eval's batch size. Run again, the same command prints the finished run's summary."""
+    import data.prepare as prepare
+    readme = (HERE / "README.md").read_text()
+    command = re.search(r"^python grpo\.py --model Qwen/.*?(?<!\\)$", readme, re.M | re.S)[0].replace("\\\n", " ")
+    flags = shlex.split(command)[2:]
+    source = write(tmp_path, "gsm8k.jsonl", "".join(json.dumps(row) + "\n" for row in GSM8K_LINES))
+    prepare.main(["gsm8k", "--train", source, "--test", source, "--out", str(tmp_path / "gsm8k")])
+    swap = {"--model": str(qwen), "--data": str(tmp_path / "gsm8k" / "train.jsonl"),
+            "--test-data": str(tmp_path / "gsm8k" / "test.jsonl"), "--out": str(tmp_path / "run")}
+    assert set(swap) <= set(flags) and "--resume" in flags and LAST_NUMBER[1].split("/")[-1] in command
+    flags = [swap.get(flags[i - 1], flag) if i else flag for i, flag in enumerate(flags)]
+    small = ["--steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--eval-limit", "2",
+             "--eval-samples", "2"]
+    monkeypatch.chdir(HERE)  # the command names data/rewards.py from the repository root
+    first = grpo.main(flags + small)
+    steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in steps] == [0, 1, 1] and steps[1]["frac_truncated"] == 1.0  # no EOS in 512 tokens
+    assert grpo.main(flags + small) == first and capsys.readouterr().out.count("grpo: greedy") == 2
 
 
 def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
