@@ -18,7 +18,7 @@ One GRPO step, as train runs it:
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
-A rollout fixes each w as a share of the whole batch, so update() needs no normaliser.
+Each rollout sets a token's w to its share of the whole batch, so update() needs no normaliser.
 
     grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
     ma      K thoughts of q, M answers of each; A(th) from its V    GRPO-MA, arXiv 2509.24494
@@ -52,8 +52,8 @@ from tqdm import tqdm
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(..., groups)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
-    """GRPO's advantage: each reward normalised within its group. The rewards are B floats, the
-    groups B ids from 0 to n-1. The std is unbiased, as TRL's.
+    """GRPO's advantage: each reward normalised within its group. The B rewards are floats. The B
+    groups are ids from 0 to n-1. The std is unbiased, as TRL's.
 
         A_i = (r_i - mean(r_g)) / (std(r_g) + eps)      g: the rows with i's group id
         A_i = r_i - mean(r_g)                           scale="none", as Dr. GRPO
@@ -100,7 +100,7 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     return thought_adv, answer_adv, values
 
 def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
-    """TA-GRPO's advantages: GRPO's, with the group id of each response's original question q0.
+    """TA-GRPO's advantages are GRPO's, where a response's group is its original question q0.
     So q0's G responses and those to its N rephrasings form one group of (N+1)·G.
 
         q0  "What is 3 + 5?"   r = 1 1      alone: all equal, no signal
@@ -119,11 +119,14 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
 def lambda_weights(completion_ids, completion_mask, groups):
     """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask. Rows share a group id when they
-    continue the same context. Groups may be of any size and in any order; rows are right-padded.
+    continue the same context. Groups may be of any size and in any order. Rows are right-padded.
 
-    |λ(i,t)| counts the rows of i's group that agree with i on tokens 0 to t. It includes i itself
-    and exact duplicates. So a prefix that k completions share is trained once, not k times. A
-    group of 6:
+    The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t. It
+    includes i itself and exact duplicates. By brute force, with row i's tokens as a list ids[i]:
+
+        |λ(i,t)| = sum(groups[j] == groups[i] and ids[j][:t+1] == ids[i][:t+1] for j in range(B))
+
+    So a prefix that k completions share is trained once, not k times. A group of 6:
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
         J K L M           1/3 1/3 1/3  1
@@ -141,9 +144,10 @@ def lambda_weights(completion_ids, completion_mask, groups):
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
     policy and the KL terms, not the normaliser. It walks the prefix trees a token at a time."""
     B, C = completion_ids.shape
-    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # no group's id
+    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # a node each
     node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
     for t in range(C):  # rows in one node of the tree that agree on token t go to one child node
+        # a row that has ended moves to a node of its own, so it shares no later token
         pair = torch.stack([torch.where(mask[:, t], node, off), completion_ids[:, t]], 1)
         node = pair.unique(dim=0, return_inverse=True)[1]  # (B,) each row's node after token t
         counts[:, t] = node.bincount()[node]  # |λ|: the rows that share that node
@@ -162,9 +166,9 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
-    less under λ-GRPO, to 2 with GRPO-MA's two parts. The counts are the whole batch's, on all
-    ranks, so the ranks' losses add up to its loss. TRL's bnpo divides by a micro-batch's tokens
-    instead, so it depends on the split and is left out."""
+    less under λ-GRPO, to 2 with GRPO-MA's two parts. Under torchrun, pass the rows and tokens of
+    the whole batch on all ranks. Then the losses of the ranks add up to the loss of the batch.
+    TRL's bnpo divides by a micro-batch's tokens instead, so it depends on the split: left out."""
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
     tokens = mask.sum().item() if num_tokens is None else num_tokens
@@ -218,10 +222,11 @@ def score(text: str, reference: str, finished: bool) -> float:
     answer is what the last <answer>...</answer> after the first </think> holds. A thought that
     never closes holds none. A numeric reference wants the same value, so '+85.0' and '1,234' are
     numbers. Any other wants the same text. Reading only splits and searches: linear time."""
-    if not finished or "<think>" in text and "</think>" not in text:
+    if not finished or ("<think>" in text and "</think>" not in text):
         return 0.0
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
-    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))  # the last closed one
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, max(end, 0))  # the last <answer> that closes before it
     if start < 0:
         return 0.0
     a = text[start + len("<answer>"):text.find("</answer>", start)].strip()
@@ -232,7 +237,7 @@ def score(text: str, reference: str, finished: bool) -> float:
 def correct(prompts, completions, answer, finished=None, **columns):
     """The default reward. It is called as TRL calls a reward function, and so is any --reward-fn.
     Prompts and completions come as text, or as chat messages from TRL. Each data key comes by
-    name, a value per row. grpo.py also passes `finished`. TRL does not, so there all finished."""
+    name, a value per row. grpo.py also passes `finished`. TRL does not, so all count as ended."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
@@ -299,7 +304,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     Each token is drawn from softmax(logits / T), with no top-k or top-p, as the loss assumes.
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
-                    logits = lm_head(decoder(token, cache)) for the rest, row r being active[r]"""
+                    logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]"""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         none = torch.zeros(0, 0, dtype=torch.long)
         return Samples(none, none, torch.zeros(0, dtype=torch.bool))
@@ -320,11 +325,11 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     for t in range(max_new_tokens):
         token = logits.argmax(-1) if greedy else torch.multinomial(
             (logits / temperature).softmax(-1), 1).squeeze(-1)
-        out[active, t] = token  # token and ended hold one entry per row still decoded
+        out[active, t] = token  # token[i], like ended[i] below, belongs to row active[i] of out
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # token[i] is out's row
+        for i, row in enumerate(active.tolist() if stop_strings else []):  # each row's text so far
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
             ended[i] |= any(s in texts[row] for s in stop_strings)  # what follows it stays
         if ended.any():  # optional, for speed: ended rows leave the batch and the cache
@@ -379,24 +384,23 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
     Each closed thought gets M answers, sampled after prompt + thought. An open thought gets no
-    answers, so V = 0. With one prompt, K = 2, M = 2 and thought 1 open, the rows are:
-        row  context             completion        advantage  w (--ma-weighting parts)
-        0    prompt              thought 0         A(th_0)    1 / (all thought tokens)
-        1    prompt              thought 1 (open)  A(th_1)    1 / (all thought tokens)
-        2    prompt + thought 0  answer 0,0        A(a_0,0)   1 / (all answer tokens)
-        3    prompt + thought 0  answer 0,1        A(a_0,1)   1 / (all answer tokens)
+    answers, so V = 0. With one prompt, K = 3, M = 2 and thought 1 open, the rows are:
+        row  context             completion                 advantage  w (--ma-weighting parts)
+        0-2  prompt              thoughts 0, 1 (open), 2    A(th_k)    1 / (all thought tokens)
+        3-4  prompt + thought 0  answers 0 and 1 of it      A(a_0m)    1 / (all answer tokens)
+        5-6  prompt + thought 2  answers 0 and 1 of it      A(a_2m)    1 / (all answer tokens)
 
     So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
     Instead --ma-weighting tokens pools both parts in one mean."""
     K, M = cfg.num_thoughts, cfg.num_answers
-    # 1. Sample the tree. The comments show its indices for P = 2 prompts, thought 1 open.
+    # 1. Sample the tree. The comments show its indices in the example above.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                         stop_strings=["</think>"])  # P·K rows
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 1 1]: its prompt
+    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: its prompt
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
-    closed = torch.tensor(["</think>" in text for text in thought_texts])  # [T F T T]
-    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2 3 3]: M a thought
+    closed = torch.tensor(["</think>" in text for text in thought_texts])  # [T F T]
+    answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
     after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what its answers continue
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
@@ -418,7 +422,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                                       cfg.max_answer_tokens))
     else:  # one token mean over both
         weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
-    contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]
+    contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]  # (B,)
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(
         answer_adv, thought_prompt[answer_thought], len(batch)),
         completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
@@ -447,7 +451,7 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) each, as in the table
     group = torch.tensor(question)[phrasing]
-    q0 = torch.tensor([question.index(p) for p in group.tolist()])
+    q0 = torch.tensor([question.index(p) for p in group.tolist()])  # its question's first phrasing
     rewards = score_batch(cfg, [batch[p] for p in group], decode(
         tokenizer, s.completion_ids, s.completion_mask), s.finished, [texts[j] for j in phrasing])
     advantages = ta_advantages(rewards, group, cfg.scale_rewards)
@@ -462,9 +466,10 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
                 weights, rewards), metrics
 
 def lambda_rows(rows: Rows, on: bool):
-    """λ-GRPO's weighting, for any variant. If on, each token's w is divided by |λ(i,t)|. It
-    counts the rows that continue i's context. Under ma those are a prompt's thoughts, or a
-    thought's answers. Under ta they are the responses anchored on one phrasing."""
+    """λ-GRPO's weighting, for any variant. If on, each token's w is divided by |λ(i,t)|. The
+    group of row i is every row whose context equals i's, token for token. Under ma those are a
+    prompt's thoughts, or a thought's answers. Under ta they are all the responses anchored on
+    one phrasing. With --ta-anchor original, a question's (N+1)·G responses form one group."""
     groups = torch.tensor([rows.contexts.index(context) for context in rows.contexts])  # (B,)
     inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
     weights = rows.loss_weights * inv_lambda if on else rows.loss_weights
@@ -489,7 +494,7 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
     start = torch.tensor([len(context) - 1 for context in contexts], device=n.device)[:, None]
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
-    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), in the order of ids[mask]
+    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), ordered as logps[mask]
     chunk = max(1, 2**25 // model.lm_head.out_features)
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
@@ -521,8 +526,8 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
                                         on(rows.completion_mask, s), on(rows.loss_weights, s),
                                         ref[j], cfg.beta, cfg.epsilon, cfg.epsilon_high)
             loss.backward()
-            totals["loss"] += loss.item()  # a piece of -J, so the pieces add up
-            for key, value in metrics.items():  # token means, so add token totals, / all tokens
+            totals["loss"] += loss.item()  # the pieces of -J add up to -J
+            for key, value in metrics.items():  # token means -> token sums, / all tokens below
                 totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[s].sum()
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
@@ -530,7 +535,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             raise UserError(f"the gradient norm is {grad_norms[-1]:.0f}: no update; lower --lr")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])
+    *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])  # all ranks' sums
     return {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
             for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
@@ -538,19 +543,21 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
 def train(cfg) -> dict:
     """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
     The rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks. The rollout fixes it, before update
-       splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
-    2. Every rank makes the same collective calls in the same order, even one with no rows.
+    1. A token's w is its share of the batch on all ranks. The rollout sets it with batch_weights,
+       before update splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
+    2. Every rank makes the same all_reduce calls in the same order, even a rank with no rows.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree.
+    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four.
 
     Rule 1 at work, with --loss-type dapo: 8 rows hold 16 tokens, so every w is 1/16:
         rank 0    micro-batch 0: 2 rows, pieces a    micro-batch 1: 2 rows, b    10 tokens
         rank 1    micro-batch 0: 2 rows, pieces c    micro-batch 1: 2 rows, d     6 tokens
 
     A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
-    Σ ℓ / 16, one process's loss. Each backward adds its piece's gradient, and sum_gradients adds
-    the ranks'. Had each rank counted its own tokens, w would be 1/10 on rank 0, 1/6 on rank 1."""
+    Σ ℓ / 16, one process's loss. Each backward adds the gradient of its piece, and sum_gradients
+    adds the two ranks' sums. Had each rank counted its own tokens, w would be 1/10 on rank 0 and
+    1/6 on rank 1. A token of rank 1 would then weigh more than one of rank 0."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
@@ -567,7 +574,7 @@ def train(cfg) -> dict:
         if state is None:
             evaluation(0)
         bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
-        for step in bar:
+        for step in bar:  # counts from 0; the log and checkpoints count the steps done, step + 1
             t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
             seed = cfg.seed * 1_000_003 + step  # rule 3; the ranks split its P prompts
             batch = random.Random(seed).sample(examples, P)[rank * P // W:(rank + 1) * P // W]
@@ -593,8 +600,9 @@ def train(cfg) -> dict:
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. They come from n =
     --eval-samples samples a question at the training temperature. Each pass decodes
-    --eval-batch-size rows a chunk, so a sampled chunk holds that over n questions. Chunk c is
-    seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
+    --eval-batch-size rows a chunk, so a sampled chunk holds --eval-batch-size / n questions.
+    Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain
+    completions, with no thought and answer split."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
@@ -638,6 +646,7 @@ def summary(cfg, wall_s: float) -> dict:
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
 # 7. Plumbing: flags, data, models, run folder, checkpoints, ranks. Bad input stops with one line.
+# Nothing here is GRPO, so a first read may stop at this line.
 @dataclass
 class Config:
     """Every field is a command-line flag: num_generations is --num-generations."""
@@ -777,7 +786,8 @@ def open_run(cfg: Config):
     The log is cut back to the checkpoint, so no step is in it twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
-    saved = sorted((p for p in held if p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
+    number = lambda path: path.name.removeprefix("checkpoint-")  # "12" for checkpoint-12
+    saved = sorted((p for p in held if number(p).isdigit()), key=lambda p: int(number(p)))
     if held and not (cfg.resume or cfg.overwrite) and rank == 0:  # others may see rank 0's new log
         raise UserError(f"--out {out} holds a run: --resume continues it, --overwrite replaces it")
     checkpoint = saved[-1] if cfg.resume and saved else None  # never a .tmp, a save that died
@@ -846,7 +856,8 @@ def mean_over_ranks(metrics: dict) -> dict:
     return {k: sums[i] / sums[n + i] if sums[n + i] else math.nan for i, k in enumerate(metrics)}
 
 def sum_gradients(model):
-    """Sum the gradients over the ranks: the loss weights are shares of the global batch."""
+    """Sum the gradients over the ranks. The loss weights are shares of the global batch. So the
+    sum, not the mean, is one process's gradient."""
     for p in model.parameters() if torch.distributed.is_initialized() else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # the same calls on every rank
         torch.distributed.all_reduce(p.grad)
