@@ -34,6 +34,7 @@ The symbols, one meaning each:
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our
 reading. TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split a batch.
+In one process the rank helpers of section 7, such as all_reduce, do nothing.
 """
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
@@ -352,7 +353,7 @@ class Rows:
     contexts: list[list[int]]      # B lists of token ids, each what its completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
-    advantages: torch.Tensor       # (B,) one per row, or (B, C) one per token, 0 off the mask
+    advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
     loss_weights: torch.Tensor     # (B, C) each token's w in J over the whole batch, all ranks
     rewards: torch.Tensor          # (B,) shown by --log-completions; an MA thought's is its V
 
