@@ -147,6 +147,7 @@ def lambda_weights(completion_ids, completion_mask, groups):
     B, C = completion_ids.shape
     mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # a node each
     node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
+    # in the example above, node is [0 0 1] after tokens 0 and 1, then [0 1 2] after token 2
     for t in range(C):  # rows in one node of the tree that agree on token t go to one child node
         # a row that has ended moves to a node of its own, so it shares no later token
         pair = torch.stack([torch.where(mask[:, t], node, off), completion_ids[:, t]], 1)
@@ -305,7 +306,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     Each token is drawn from softmax(logits / T), with no top-k or top-p, as the loss assumes.
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
-                    logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]"""
+                    logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]
+        e.g.        B = 3 and row 1 ends: active [0 1 2] -> [0 2], so token[1] is then row 2's"""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         none = torch.zeros(0, 0, dtype=torch.long)
         return Samples(none, none, torch.zeros(0, dtype=torch.bool))
@@ -355,7 +357,7 @@ class Rows:
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
     loss_weights: torch.Tensor     # (B, C) each token's w in J over the whole batch, all ranks
-    rewards: torch.Tensor          # (B,) shown by --log-completions; an MA thought's is its V
+    rewards: torch.Tensor          # (B,) shown by --log-completions; a GRPO-MA thought shows V
 
 def batch_weights(completion_mask, loss_type: str, max_completion_length: int):
     """The aggregation weights of this rank's rows, counting the rows and tokens of all ranks."""
@@ -435,34 +437,36 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step.
     Each phrasing gets G responses. Take two questions, N = 1 and G = 2, where Q1 has no
-    rephrasing. Then texts = [Q0's q0, Q0's q1, Q1's q0] and question = [0, 0, 1]:
-        row        0 1   2 3   4 5
-        phrasing   0 0   1 1   2 2    the phrasing it was sampled after
-        group      0 0   0 0   1 1    its question, whose rows the advantages pool
-        q0         0 0   0 0   2 2    the phrasing of its question's q0
-        context    0 0   0 0   2 2    the phrasing it continues: q0's under --ta-anchor original,
-                   0 0   1 1   2 2    its own under rephrased"""
+    rephrasing. The phrasings are then [Q0's q0, Q0's q1, Q1's q0], of questions [0, 0, 1]:
+        row            0 1   2 3   4 5
+        row_phrasing   0 0   1 1   2 2    the phrasing it was sampled after
+        row_question   0 0   0 0   1 1    its question, whose rows the advantages pool
+        row_q0         0 0   0 0   2 2    the phrasing that is its question's q0
+        context        0 0   0 0   2 2    the phrasing it continues: q0 under --ta-anchor original,
+                       0 0   1 1   2 2    its own under rephrased"""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    texts, question = [], []  # for each phrasing: its text, and its question's index in batch
+    phrasing_text, phrasing_question, phrasing_q0 = [], [], []  # one entry per phrasing
     for p, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        texts += [ex["question"]] + drawn  # so a question's q0 is its first phrasing
-        question += [p] * (1 + len(drawn))
-    phrasings = [prompt_ids(tokenizer, cfg, text) for text in texts]
+        phrasing_q0 += [len(phrasing_text)] * (1 + len(drawn))  # q0 comes first, then `drawn`
+        phrasing_text += [ex["question"]] + drawn
+        phrasing_question += [p] * (1 + len(drawn))
+    phrasings = [prompt_ids(tokenizer, cfg, text) for text in phrasing_text]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    phrasing = torch.arange(len(texts)).repeat_interleave(G)  # (B,) each, as in the table
-    group = torch.tensor(question)[phrasing]
-    q0 = torch.tensor([question.index(p) for p in group.tolist()])  # its question's first phrasing
-    rewards = score_batch(cfg, [batch[p] for p in group], decode(
-        tokenizer, s.completion_ids, s.completion_mask), s.finished, [texts[j] for j in phrasing])
-    advantages = ta_advantages(rewards, group, cfg.scale_rewards)
-    r0 = rewards[phrasing == q0].view(-1, G)  # q0's own G rewards, as GRPO's
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
-                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished,
-                   reward_rephrased=rewards[phrasing != q0],
+    row_phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) each, as in the table
+    row_question = torch.tensor(phrasing_question)[row_phrasing]
+    row_q0 = torch.tensor(phrasing_q0)[row_phrasing]
+    rewards = score_batch(cfg, [batch[p] for p in row_question], decode(  # each prompt as asked
+        tokenizer, s.completion_ids, s.completion_mask), s.finished,
+        [phrasing_text[j] for j in row_phrasing])
+    advantages = ta_advantages(rewards, row_question, cfg.scale_rewards)
+    r0 = rewards[row_phrasing == row_q0].view(-1, G)  # q0's own G rewards, as GRPO's
+    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, row_question,
+                   len(batch)), completion_length=s.completion_mask.sum(1).float(),
+                   frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
                    frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
     weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
-    context = q0 if cfg.ta_anchor == "original" else phrasing
+    context = row_q0 if cfg.ta_anchor == "original" else row_phrasing
     return Rows([phrasings[j] for j in context], s.completion_ids, s.completion_mask, advantages,
                 weights, rewards), metrics
 
@@ -511,7 +515,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b)  # by length, to pad less: w are batch shares
+    micro = lengths.argsort(stable=True).split(b)  # sorted by length to pad less; w fix the sum
     on = lambda x, s: x[s].to(device)
     logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(
         rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
@@ -537,6 +541,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])  # all ranks' sums
+    # loss: -J averaged over the μ passes; kl and the clip fractions: token means, as policy_loss's
     return {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
             for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
@@ -546,14 +551,15 @@ def train(cfg) -> dict:
     The rules an editor of the loop must keep:
     1. A token's w is its share of the batch on all ranks. The rollout sets it with batch_weights,
        before update splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
-    2. Every rank makes the same all_reduce calls in the same order, even a rank with no rows.
+    2. Every rank makes the same all_reduce calls in the same order. So does a rank whose GRPO-MA
+       thoughts all stayed open, though it has no answers to sample, score or weigh.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree.
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four.
 
     Rule 1 at work, with --loss-type dapo: 8 rows hold 16 tokens, so every w is 1/16:
-        rank 0    micro-batch 0: 2 rows, pieces a    micro-batch 1: 2 rows, b    10 tokens
-        rank 1    micro-batch 0: 2 rows, pieces c    micro-batch 1: 2 rows, d     6 tokens
+        rank 0:  micro-batch 0 (2 rows) gives piece a, micro-batch 1 (2 rows) piece b; 10 tokens
+        rank 1:  micro-batch 0 (2 rows) gives piece c, micro-batch 1 (2 rows) piece d;  6 tokens
 
     A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
     Σ ℓ / 16, one process's loss. Each backward adds the gradient of its piece, and sum_gradients
@@ -784,7 +790,9 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
 def open_run(cfg: Config):
     """The latest checkpoint, its state and log(). A folder that holds a run is continued with
     --resume or replaced with --overwrite. Its state.pt loads with weights_only, so no code runs.
-    The log is cut back to the checkpoint, so no step is in it twice."""
+    The log is cut back to the checkpoint, so no step is in it twice. Say a run saves every 25
+    steps and is killed in step 37. Its resume loads checkpoint-25, cuts the log back to 25 steps
+    and runs step 26 again, with the same prompts and samples."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     number = lambda path: path.name.removeprefix("checkpoint-")  # "12" for checkpoint-12
