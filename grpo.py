@@ -632,6 +632,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     return {"greedy": greedy / len(examples)} | {
         f"pass@{k}": total / len(examples) for k, total in enumerate(pass_k, 1)}
 
+# 7. Plumbing: printed lines, flags, data, models, run folder, checkpoints, ranks. Bad input stops
+# with one line. Nothing here is GRPO, so a first read may stop at this line.
 def show_group(tokenizer, rows: Rows, step: int):
     """Print the rows that share the first row's context: reward, advantage, text. A long text
     shows its start and its end, where the answer is. Whitespace prints as one space."""
@@ -652,8 +654,6 @@ def summary(cfg, wall_s: float) -> dict:
     print(f"{cfg.variant}{' + λ' if cfg.lambda_weights else ''}: {line} | {wall_s:.0f} s")
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
 
-# 7. Plumbing: flags, data, models, run folder, checkpoints, ranks. Bad input stops with one line.
-# Nothing here is GRPO, so a first read may stop at this line.
 @dataclass
 class Config:
     """Every field is a command-line flag: num_generations is --num-generations."""
