@@ -145,7 +145,7 @@ def lambda_weights(completion_ids, completion_mask, groups):
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
     policy and the KL terms, not the normaliser. It walks the prefix trees a token at a time."""
     B, C = completion_ids.shape
-    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # a node each
+    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # ids no node has
     node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
     # in the example above, node is [0 0 1] after tokens 0 and 1, then [0 1 2] after token 2
     for t in range(C):  # rows in one node of the tree that agree on token t go to one child node
@@ -195,7 +195,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     (-2.0, tensor([[-1., -1.]]))
 
     At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
-    terms of the min are then ρA. Either gives ∂loss/∂logp = -w A, the policy gradient. As in TRL,
+    terms of the min are then ρA. Both give ∂loss/∂logp = -w A, the policy gradient. As in TRL,
     ε_high is ε when None. The metrics are token means."""
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -332,7 +332,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         lengths[active] += 1
         ended = torch.isin(token, eos)
         finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # each row's text so far
+        for i, row in enumerate(active.tolist() if stop_strings else []):  # GRPO-MA's thoughts
             texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
             ended[i] |= any(s in texts[row] for s in stop_strings)  # what follows it stays
         if ended.any():  # optional, for speed: ended rows leave the batch and the cache
@@ -426,6 +426,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     else:  # one token mean over both
         weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
     contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]  # (B,)
+    # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(
         answer_adv, thought_prompt[answer_thought], len(batch)),
         completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
@@ -515,9 +516,9 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b)  # sorted by length to pad less; w fix the sum
-    on = lambda x, s: x[s].to(device)
-    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(
+    micro = lengths.argsort(stable=True).split(b)  # rows sorted by length pad less
+    on = lambda x, s: x[s].to(device)  # rows s of x, on the model's device
+    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(  # rows s, model m
         rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
         old = [None if mu_1 else logps_of(model, s) for s in micro]
@@ -554,7 +555,7 @@ def train(cfg) -> dict:
     2. Every rank makes the same all_reduce calls in the same order. So does a rank whose GRPO-MA
        thoughts all stayed open, though it has no answers to sample, score or weigh.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
-    4. A checkpoint is saved only between steps, so its weights, AdamW and log agree.
+    4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four.
 
     Rule 1 at work, with --loss-type dapo: 8 rows hold 16 tokens, so every w is 1/16:
