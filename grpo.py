@@ -518,7 +518,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
     micro = lengths.argsort(stable=True).split(b)  # rows sorted by length pad less
     on = lambda x, s: x[s].to(device)  # rows s of x, on the model's device
-    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(  # rows s, model m
+    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(  # of model m
         rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
         old = [None if mu_1 else logps_of(model, s) for s in micro]
