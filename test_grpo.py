@@ -2694,7 +2694,7 @@ def test_a_run_on_a_real_tokenizer_shows_the_reward_on_its_bar_and_logs_truncati
 def test_the_readmes_gsm8k_command_runs_as_written_on_a_random_model_at_qwens_vocabulary(qwen, tmp_path, capsys,
                                                                                         monkeypatch):
     """The README's GSM8K command, read from README.md, with its model, data and run folder swapped for a random
-    Qwen2.5-shaped model at the real vocabulary and prepare.py's output, and one step of 2 x 2 rows with a 2-question
+    Qwen2.5-shaped model at the real vocabulary and prepare.py's output, and one step of 1 x 2 rows with a 1-question
     eval appended. Every other flag runs as written: the system prompt, last_number, 512 new tokens, lr, micro-batches
     of 16, gradient checkpointing, the eval's batch size. Run again, the same command prints the finished run's summary."""
     import data.prepare as prepare
@@ -2707,8 +2707,8 @@ def test_the_readmes_gsm8k_command_runs_as_written_on_a_random_model_at_qwens_vo
             "--test-data": str(tmp_path / "gsm8k" / "test.jsonl"), "--out": str(tmp_path / "run")}
     assert set(swap) <= set(flags) and "--resume" in flags and LAST_NUMBER[1].split("/")[-1] in command
     flags = [swap.get(flags[i - 1], flag) if i else flag for i, flag in enumerate(flags)]
-    small = ["--steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--eval-limit", "2",
-             "--eval-samples", "2"]
+    small = ["--steps", "1", "--prompts-per-step", "1", "--num-generations", "2", "--eval-limit", "1",
+             "--eval-samples", "1"]  # few rows: sampling 512 tokens at 151,936 logits is the test's cost
     monkeypatch.chdir(HERE)  # the command names data/rewards.py from the repository root
     first = grpo.main(flags + small)
     steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
