@@ -143,17 +143,18 @@ def lambda_weights(completion_ids, completion_mask, groups):
             [1.0000, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
-    policy and the KL terms, not the normaliser. It walks the prefix trees a token at a time."""
+    policy and the KL terms, not the normaliser. Memory: ~2·B·G·C bytes, G the largest group."""
     B, C = completion_ids.shape
-    mask, off = completion_mask.bool(), torch.arange(B, device=groups.device) + B  # ids no node has
-    node, counts = groups.unique(return_inverse=True)[1], torch.zeros_like(completion_ids)
-    # in the example above, node is [0 0 1] after tokens 0 and 1, then [0 1 2] after token 2
-    for t in range(C):  # rows in one node of the tree that agree on token t go to one child node
-        # a row that has ended moves to a node of its own, so it shares no later token
-        pair = torch.stack([torch.where(mask[:, t], node, off), completion_ids[:, t]], 1)
-        node = pair.unique(dim=0, return_inverse=True)[1]  # (B,) each row's node after token t
-        counts[:, t] = node.bincount()[node]  # |λ|: the rows that share that node
-    return torch.where(mask, 1.0 / counts, 0.0)
+    group = groups.unique(return_inverse=True)[1]  # (B,) 0, 1, ...: [0 0 1] in the example
+    earlier = torch.nn.functional.one_hot(group).cumsum(0) - 1  # (B, groups)
+    slot = earlier[torch.arange(B, device=group.device), group]  # i's place in its group: [0 1 0]
+    ids = completion_ids.new_zeros(int(group.max()) + 1, int(slot.max()) + 1, C)  # (groups, G, C)
+    mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)  # empty slots match nothing
+    ids[group, slot], mask[group, slot] = completion_ids, completion_mask.bool()
+    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, C)
+    # a running product turns "equal at t" into "equal at 0 to t"; |λ| sums it over the group
+    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)[group, slot]  # (B, C)
+    return torch.where(completion_mask.bool(), 1.0 / counts.clamp(min=1), 0.0)
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
