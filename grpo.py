@@ -148,7 +148,8 @@ def lambda_weights(completion_ids, completion_mask, groups):
     group = groups.unique(return_inverse=True)[1]  # (B,) 0, 1, ...: [0 0 1] in the example
     earlier = torch.nn.functional.one_hot(group).cumsum(0) - 1  # (B, groups)
     slot = earlier[torch.arange(B, device=group.device), group]  # i's place in its group: [0 1 0]
-    ids = completion_ids.new_zeros(int(group.max()) + 1, int(slot.max()) + 1, C)  # (groups, G, C)
+    # (groups, G, C): in the example rows 0 and 1 fill group 0, and row 2 group 1's slot 0
+    ids = completion_ids.new_zeros(int(group.max()) + 1, int(slot.max()) + 1, C)
     mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)  # empty slots match nothing
     ids[group, slot], mask[group, slot] = completion_ids, completion_mask.bool()
     same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, C)
