@@ -549,6 +549,14 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # 6. The training loop and the eval.
+# Rule 1 of train, below, at work with --loss-type dapo: 8 rows hold 16 tokens, so w is 1/16:
+#     rank 0:  micro-batch 0 (2 rows) gives piece a, micro-batch 1 (2 rows) piece b; 10 tokens
+#     rank 1:  micro-batch 0 (2 rows) gives piece c, micro-batch 1 (2 rows) piece d;  6 tokens
+#
+# A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
+# Σ ℓ / 16, one process's loss. Each backward adds the gradient of its piece, and sum_gradients
+# adds the two ranks' sums. Had each rank counted its own tokens, w would be 1/10 on rank 0 and
+# 1/6 on rank 1. A token of rank 1 would then weigh more than one of rank 0.
 def train(cfg) -> dict:
     """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
     The rules an editor of the loop must keep:
@@ -558,16 +566,7 @@ def train(cfg) -> dict:
        thoughts all stayed open, though it has no answers to sample, score or weigh.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
-    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four.
-
-    Rule 1 at work, with --loss-type dapo: 8 rows hold 16 tokens, so every w is 1/16:
-        rank 0:  micro-batch 0 (2 rows) gives piece a, micro-batch 1 (2 rows) piece b; 10 tokens
-        rank 1:  micro-batch 0 (2 rows) gives piece c, micro-batch 1 (2 rows) piece d;  6 tokens
-
-    A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
-    Σ ℓ / 16, one process's loss. Each backward adds the gradient of its piece, and sum_gradients
-    adds the two ranks' sums. Had each rank counted its own tokens, w would be 1/10 on rank 0 and
-    1/6 on rank 1. A token of rank 1 would then weigh more than one of rank 0."""
+    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
