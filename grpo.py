@@ -473,14 +473,14 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     return Rows([phrasings[j] for j in context], s.completion_ids, s.completion_mask, advantages,
                 weights, rewards), metrics
 
-def lambda_rows(rows: Rows, on: bool):
-    """λ-GRPO's weighting, for any variant. If on, each token's w is divided by |λ(i,t)|. The
+def lambda_rows(rows: Rows, enabled: bool):
+    """λ-GRPO's weighting, for any variant. If enabled, each token's w is divided by |λ(i,t)|. The
     group of row i is every row whose context equals i's, token for token. Under ma those are a
     prompt's thoughts, or a thought's answers. Under ta they are all the responses anchored on
     one phrasing. With --ta-anchor original, a question's (N+1)·G responses form one group."""
     groups = torch.tensor([rows.contexts.index(context) for context in rows.contexts])  # (B,)
     inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
-    weights = rows.loss_weights * inv_lambda if on else rows.loss_weights
+    weights = rows.loss_weights * inv_lambda if enabled else rows.loss_weights
     return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
@@ -518,25 +518,25 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b)  # rows sorted by length pad less
-    on = lambda x, s: x[s].to(device)  # rows s of x, on the model's device
-    logps_of = lambda m, s: completion_logps(m, [rows.contexts[i] for i in s], on(  # of model m
-        rows.completion_ids, s), on(rows.completion_mask, s), cfg.temperature)
+    micro = lengths.argsort(stable=True).split(b)  # each mb: b row ids; sorted rows pad less
+    on = lambda x, mb: x[mb].to(device)  # rows mb of x, on the model's device
+    logps_of = lambda m, mb: completion_logps(m, [rows.contexts[i] for i in mb], on(  # of model m
+        rows.completion_ids, mb), on(rows.completion_mask, mb), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
-        old = [None if mu_1 else logps_of(model, s) for s in micro]
-        ref = [logps_of(ref_model, s) if cfg.beta else None for s in micro]
+        old = [None if mu_1 else logps_of(model, mb) for mb in micro]
+        ref = [logps_of(ref_model, mb) if cfg.beta else None for mb in micro]
     totals, grad_norms = {"loss": 0.0}, []
     for _ in range(cfg.num_iterations):
-        for j, s in enumerate(micro):
-            logps = logps_of(model, s)  # (b, C)
+        for j, mb in enumerate(micro):
+            logps = logps_of(model, mb)  # (b, C)
             old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
-            loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, s),
-                                        on(rows.completion_mask, s), on(rows.loss_weights, s),
+            loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, mb),
+                                        on(rows.completion_mask, mb), on(rows.loss_weights, mb),
                                         ref[j], cfg.beta, cfg.epsilon, cfg.epsilon_high)
             loss.backward()
             totals["loss"] += loss.item()  # the pieces of -J add up to -J
             for key, value in metrics.items():  # token means -> token sums, / all tokens below
-                totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[s].sum()
+                totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[mb].sum()
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not grad_norms[-1].isfinite():
