@@ -9,7 +9,7 @@ One GRPO step, as train runs it:
     for each question q: o_1..o_G = G samples from π(· | q)          generate
     r_i = score(o_i, q's reference answer)                            score
     A_i = (r_i - mean(r)) / (std(r) + eps) over q's G samples         group_advantages
-    w_it = 1 / (all completion tokens of the batch)                   aggregation_weights
+    w_it = 1 / (all completion tokens of the batch)                   batch_weights
     repeat μ times (by default once, so ρ = 1 and no clip binds):
         logp_it = log π(o_it | q, o_i<t)                              completion_logps
         ρ_it = exp(logp_it - logp_old_it)                             policy_loss
@@ -18,12 +18,13 @@ One GRPO step, as train runs it:
     where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
-Each rollout sets a token's w to its share of the whole batch, so update() needs no normaliser.
+A token's w is its share of the whole batch, so update() needs no normaliser.
 
     grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
     ma      K thoughts of q, M answers of each; A(th) from its V    GRPO-MA, arXiv 2509.24494
     ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
+    --dynamic-sampling, with any: drop the groups without signal   DAPO, arXiv 2503.14476
 
 The symbols, one meaning each:
     B rows of a batch, C completion tokens a row, P prompts a step, G samples a prompt, W ranks
@@ -62,7 +63,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    Because of eps, 0.5 prints as 0.4999. Equal rewards give exactly 0, not noise / eps."""
+    Because of eps, 0.5 prints as 0.4999. Rewards equal within float rounding, such as 1.0 and
+    0.99999994, give exactly 0, not noise / eps."""
     n = torch.bincount(groups).to(rewards.dtype)  # rows per group: GRPO-MA's groups are ragged
     mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sum by id, not by view
     adv = rewards - mean[groups]
@@ -73,7 +75,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
         raise ValueError(f"scale must be group or none, got {scale!r}")
     high = torch.full_like(n, -math.inf).scatter_reduce(0, groups, rewards, "amax")
     low = torch.full_like(n, math.inf).scatter_reduce(0, groups, rewards, "amin")
-    return torch.where(high[groups] == low[groups], 0.0, adv)
+    return torch.where(torch.isclose(high, low)[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
     """GRPO-MA's advantages of the thoughts and of their answers. They come from the answers'
@@ -112,10 +114,9 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j. No importance weight corrects for that, so the
-    gradient is biased for π(· | q0). This is off-policy on purpose, as in arXiv 2601.22478v5,
-    because the rephrasings explore. Its code conditions on each response's own q_j, as
-    --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
+    So π given q0 learns from samples given q_j, with no importance weight: off-policy on purpose,
+    as in arXiv 2601.22478v5, because the rephrasings explore. Its code conditions on each
+    response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, groups):
@@ -123,11 +124,8 @@ def lambda_weights(completion_ids, completion_mask, groups):
     continue the same context. Groups may be of any size and in any order. Rows are right-padded.
 
     The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t. It
-    includes i itself and exact duplicates. By brute force, with row i's tokens as a list ids[i]:
-
-        |λ(i,t)| = sum(groups[j] == groups[i] and ids[j][:t+1] == ids[i][:t+1] for j in range(B))
-
-    So a prefix that k completions share is trained once, not k times. A group of 6:
+    includes i itself and exact duplicates. So a prefix that k completions share is trained
+    once, not k times. A group of 6:
         A B C D           1/2 1/2  1   1
         A B E F H I       1/2 1/2  1   1   1   1
         J K L M           1/3 1/3 1/3  1
@@ -135,27 +133,17 @@ def lambda_weights(completion_ids, completion_mask, groups):
         J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
         V W Y Z            1   1   1   1
 
-    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 0]])  # row 2 continues another context
-    >>> mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
-    >>> lambda_weights(ids, mask, torch.tensor([0, 0, 1]))
-    tensor([[0.5000, 0.5000, 1.0000],
-            [0.5000, 0.5000, 1.0000],
-            [1.0000, 1.0000, 0.0000]])
-
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
-    policy and the KL terms, not the normaliser. Memory: ~2·B·G·C bytes, G the largest group."""
-    B, C = completion_ids.shape
-    group = groups.unique(return_inverse=True)[1]  # (B,) 0, 1, ...: [0 0 1] in the example
-    earlier = torch.nn.functional.one_hot(group).cumsum(0) - 1  # (B, groups)
-    slot = earlier[torch.arange(B, device=group.device), group]  # i's place in its group: [0 1 0]
-    # (groups, G, C): in the example rows 0 and 1 fill group 0, and row 2 group 1's slot 0
-    ids = completion_ids.new_zeros(int(group.max()) + 1, int(slot.max()) + 1, C)
-    mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)  # empty slots match nothing
-    ids[group, slot], mask[group, slot] = completion_ids, completion_mask.bool()
-    same = (ids[:, :, None] == ids[:, None]) & mask[:, :, None] & mask[:, None]  # (groups, G, G, C)
-    # a running product turns "equal at t" into "equal at 0 to t"; |λ| sums it over the group
-    counts = same.cumprod(-1, dtype=torch.uint8).sum(2, dtype=torch.int32)[group, slot]  # (B, C)
-    return torch.where(completion_mask.bool(), 1.0 / counts.clamp(min=1), 0.0)
+    policy and the KL terms, not the normaliser. Memory: n·n·C bools for a group of n rows."""
+    weights = torch.zeros(completion_ids.shape, device=completion_ids.device)
+    for group in groups.unique():
+        rows = (groups == group).nonzero().squeeze(1)  # the group's n rows
+        ids, mask = completion_ids[rows], completion_mask[rows].bool()  # (n, C)
+        same = (ids[:, None] == ids[None]) & mask[:, None] & mask[None]  # (n, n, C): agree at t
+        agree = same.cumprod(-1, dtype=torch.int32)  # (n, n, C): rows j and k agree at 0 to t
+        counts = agree.sum(1)  # (n, C): |λ(j,t)|, the rows that agree with row j on 0 to t
+        weights[rows] = torch.where(mask, 1.0 / counts.clamp(min=1), 0.0)  # off the mask: 0
+    return weights
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
@@ -170,9 +158,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
-    less under λ-GRPO, to 2 with GRPO-MA's two parts. Under torchrun, pass the rows and tokens of
-    the whole batch on all ranks. Then the losses of the ranks add up to the loss of the batch.
-    TRL's bnpo divides by a micro-batch's tokens instead, so it depends on the split: left out."""
+    less under λ-GRPO, to 2 with GRPO-MA's two parts. Under torchrun, pass the whole batch's
+    counts. TRL's bnpo divides by a micro-batch's tokens, so it depends on the split: left out."""
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
     tokens = mask.sum().item() if num_tokens is None else num_tokens
@@ -239,9 +226,9 @@ def score(text: str, reference: str, finished: bool) -> float:
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
-    """The default reward. It is called as TRL calls a reward function, and so is any --reward-fn.
-    Prompts and completions come as text, or as chat messages from TRL. Each data key comes by
-    name, a value per row. grpo.py also passes `finished`. TRL does not, so all count as ended."""
+    """The default reward, called as TRL calls a reward function, like any --reward-fn. A
+    completion is text, or TRL's chat messages. Each data key comes by name, a value per row.
+    TRL passes no `finished`, so all count as ended."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
@@ -352,19 +339,27 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 # 4. The rows, and a rollout per variant for this rank's share of a batch (one process: all of it).
 @dataclass
 class Rows:
-    """What a rollout hands to update: B completions with their contexts, advantages and token
-    weights. Row i adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update knows no variant."""
+    """B completions with their contexts and advantages, from a rollout. Row i adds Σ_t w_it
+    min(ρ_it A_i, clip(ρ_it) A_i) to J, so update knows no variant. The loop sets w."""
     contexts: list[list[int]]      # B lists of token ids, each what its completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
-    loss_weights: torch.Tensor     # (B, C) each token's w in J over the whole batch, all ranks
     rewards: torch.Tensor          # (B,) shown by --log-completions; a GRPO-MA thought shows V
+    groups: torch.Tensor           # (B,) its question: the place in the rollout's batch
+    parts: torch.Tensor            # (B,) its part of J: 1 for GRPO-MA's answers, else 0
+    off_policy: torch.Tensor       # (B,) True if sampled after another context than its own
+    loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J: batch_weights
 
-def batch_weights(completion_mask, loss_type: str, max_completion_length: int):
-    """The aggregation weights of this rank's rows, counting the rows and tokens of all ranks."""
-    rows, tokens = all_reduce([len(completion_mask), completion_mask.sum()])
-    return aggregation_weights(completion_mask, loss_type, rows, tokens, max_completion_length)
+def cat_rows(many: list[Rows], keeps=None) -> Rows:
+    """Rows after rows as one, or the rows each keep (B,) marks; (B, C) tensors right-padded."""
+    keeps = keeps or [torch.ones(len(rows.contexts), dtype=bool) for rows in many]
+    C = max(rows.completion_ids.shape[1] for rows in many)
+    pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
+    cat = lambda *xs: torch.cat([pad(x)[keep] for x, keep in zip(xs, keeps)])
+    return Rows([c for r, keep in zip(many, keeps) for c, k in zip(r.contexts, keep) if k], *(
+        cat(*xs) for xs in zip(*((r.completion_ids, r.completion_mask, r.advantages, r.rewards,
+                                  r.groups, r.parts, r.off_policy) for r in many))))
 
 def no_signal(advantages, groups, num_groups: int):
     """True for each group whose rows all have A = 0: what frac_reward_zero_std counts."""
@@ -380,20 +375,20 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
     rewards = score_batch(cfg, [batch[p] for p in group], texts, s.finished)
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
-    weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
+    no = torch.zeros_like(group, dtype=bool)  # each row sampled in the context it trains in
     return Rows([prompts[p] for p in group], s.completion_ids, s.completion_mask, advantages,
-                weights, rewards), metrics
+                rewards, group, no.long(), no), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
     Each closed thought gets M answers, sampled after prompt + thought. An open thought gets no
     answers, so V = 0. With one prompt, K = 3, M = 2 and thought 1 open, the rows are:
-        row  context             completion                 advantage  w (--ma-weighting parts)
-        0-2  prompt              thoughts 0, 1 (open), 2    A(th_k)    1 / (all thought tokens)
-        3-4  prompt + thought 0  answers 0 and 1 of it      A(a_0m)    1 / (all answer tokens)
-        5-6  prompt + thought 2  answers 0 and 1 of it      A(a_2m)    1 / (all answer tokens)
+        row  context             completion                advantage  part  w (batch_weights)
+        0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
+        3-4  prompt + thought 0  answers 0 and 1 of it     A(a_0m)    1     1 / (answer tokens)
+        5-6  prompt + thought 2  answers 0 and 1 of it     A(a_2m)    1     1 / (answer tokens)
 
     So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
     Instead --ma-weighting tokens pools both parts in one mean."""
@@ -404,7 +399,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                         stop_strings=["</think>"])  # P·K rows
     thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: its prompt
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
-    closed = torch.tensor(["</think>" in text for text in thought_texts])  # [T F T]
+    closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
     after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what its answers continue
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
@@ -416,26 +411,20 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                           answers.finished)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    # 2. The rows: the P·K thoughts, then the answers, each row right-padded to one width
-    stack = lambda thought_part, answer_part: torch.nn.utils.rnn.pad_sequence(
-        [*thought_part, *answer_part], batch_first=True)
-    ids = stack(thoughts.completion_ids, answers.completion_ids)
-    mask = stack(thoughts.completion_mask, answers.completion_mask)
-    if cfg.ma_weighting == "parts":  # thoughts and answers aggregated apart, each with its limit
-        weights = stack(batch_weights(thoughts.completion_mask, cfg.loss_type, cfg.max_new_tokens),
-                        batch_weights(answers.completion_mask, cfg.loss_type,
-                                      cfg.max_answer_tokens))
-    else:  # one token mean over both
-        weights = batch_weights(mask, cfg.loss_type, max(cfg.max_new_tokens, cfg.max_answer_tokens))
-    contexts = [prompts[p] for p in thought_prompt] + [after[k] for k in answer_thought]  # (B,)
+    # 2. The rows: the P·K thoughts (part 0), then the answers (part 1), of one width
+    thought_rows = Rows([prompts[p] for p in thought_prompt], thoughts.completion_ids,
+                        thoughts.completion_mask, thought_adv, values, thought_prompt,
+                        torch.zeros_like(thought_prompt), torch.zeros_like(closed))
+    answer_rows = Rows([after[k] for k in answer_thought], answers.completion_ids,
+                       answers.completion_mask, answer_adv, rewards, thought_prompt[answer_thought],
+                       torch.ones_like(answer_thought), torch.zeros_like(closed[answer_thought]))
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(
         answer_adv, thought_prompt[answer_thought], len(batch)),
         completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
         unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
         frac_truncated=~answers.finished)
-    return Rows(contexts, ids, mask, torch.cat([thought_adv, answer_adv]), weights,
-                torch.cat([values, rewards])), metrics
+    return cat_rows([thought_rows, answer_rows]), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step.
@@ -457,8 +446,8 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     phrasings = [prompt_ids(tokenizer, cfg, text) for text in phrasing_text]
     s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
     row_phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) each, as in the table
-    row_question = torch.tensor(phrasing_question)[row_phrasing]
-    row_q0 = torch.tensor(phrasing_q0)[row_phrasing]
+    row_question = torch.tensor(phrasing_question, dtype=torch.long)[row_phrasing]
+    row_q0 = torch.tensor(phrasing_q0, dtype=torch.long)[row_phrasing]
     rewards = score_batch(cfg, [batch[p] for p in row_question], decode(  # each prompt as asked
         tokenizer, s.completion_ids, s.completion_mask), s.finished,
         [phrasing_text[j] for j in row_phrasing])
@@ -468,22 +457,62 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
                    len(batch)), completion_length=s.completion_mask.sum(1).float(),
                    frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
                    frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
-    weights = batch_weights(s.completion_mask, cfg.loss_type, cfg.max_new_tokens)
     context = row_q0 if cfg.ta_anchor == "original" else row_phrasing
     return Rows([phrasings[j] for j in context], s.completion_ids, s.completion_mask, advantages,
-                weights, rewards), metrics
-
-def lambda_rows(rows: Rows, enabled: bool):
-    """λ-GRPO's weighting, for any variant. If enabled, each token's w is divided by |λ(i,t)|. The
-    group of row i is every row whose context equals i's, token for token. Under ma those are a
-    prompt's thoughts, or a thought's answers. Under ta they are all the responses anchored on
-    one phrasing. With --ta-anchor original, a question's (N+1)·G responses form one group."""
-    groups = torch.tensor([rows.contexts.index(context) for context in rows.contexts])  # (B,)
-    inv_lambda = lambda_weights(rows.completion_ids, rows.completion_mask, groups)
-    weights = rows.loss_weights * inv_lambda if enabled else rows.loss_weights
-    return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
+                rewards, row_question, 0 * row_question, context != row_phrasing), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
+
+def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
+    """This rank's rows of a step, and the metrics of all it sampled. The step's seed draws P
+    questions for the ranks to split, and seeds the sampling (rule 3). --dynamic-sampling drops
+    the groups without signal, as DAPO does: a question's rows of one part, every A 0. P more
+    questions are drawn until P keep a group, or --max-gen-batches draws are spent."""
+    P, (rank, W) = cfg.prompts_per_step, rank_and_world()
+    rng, left, kept, draws = random.Random(seed), list(range(len(examples))), 0, []
+    torch.manual_seed(seed * W + rank)  # each rank samples its own completions
+    draws_at_most = cfg.max_gen_batches if cfg.dynamic_sampling else 1
+    while kept < P <= len(left) and len(draws) < draws_at_most:
+        drawn = rng.sample(left, P)  # questions not drawn before in this step
+        left = sorted(set(left) - set(drawn))
+        batch = [examples[i] for i in drawn[rank * P // W:(rank + 1) * P // W]]
+        rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
+        signal = ~no_signal(rows.advantages, 2 * rows.groups + rows.parts, 2 * len(batch))
+        signal = signal.view(-1, 2) | (not cfg.dynamic_sampling)  # (questions, parts): trains
+        stays = signal.any(1)  # (questions,)
+        counts = all_reduce([stays.sum() if r == rank else 0 for r in range(W)])  # each rank's
+        stays &= kept + sum(counts[:rank]) + stays.cumsum(0) <= P  # the first P: W ranks as one
+        keep = stays[rows.groups] & signal[rows.groups, rows.parts]  # (B,)
+        draws.append((rows, keep, metrics | {"frac_dropped": ~keep}))  # rows that do not train
+        kept += min(int(sum(counts)), P - kept)
+    rows, keeps, metrics = zip(*draws)
+    metrics = {key: torch.cat([m[key] for m in metrics]) for key in metrics[0]}
+    return cat_rows(rows, keeps), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}
+
+def batch_weights(rows: Rows, cfg) -> torch.Tensor:
+    """Each token's w in J, as --loss-type aggregates, counting the rows and tokens of all ranks
+    (rule 1). Each part of J is aggregated alone, with its length limit. GRPO-MA's answers are
+    part 1, and --ma-weighting tokens pools them with the rest, part 0."""
+    parts = rows.parts * (cfg.ma_weighting == "parts")  # (B,)
+    weights = torch.zeros(rows.completion_mask.shape)
+    for p, limit in enumerate([cfg.max_new_tokens, cfg.max_answer_tokens]):
+        mask = rows.completion_mask[parts == p]  # this rank's rows of part p, then every rank's:
+        weights[parts == p] = aggregation_weights(mask, cfg.loss_type, *all_reduce([len(mask),
+                                                  mask.sum()]), limit)
+    return weights
+
+def lambda_rows(rows: Rows, enabled: bool):
+    """λ-GRPO's weighting, for any variant: if enabled, each token's w is divided by |λ(i,t)|.
+    The group of row i is every row sampled and trained in i's context: under ma a prompt's
+    thoughts, or a thought's answers; under ta a phrasing's G responses. A row sampled in another
+    context keeps its w, as a rephrasing's response given q0 does (λ's premise fails: RESULTS.md)."""
+    on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: a context's
+    groups = torch.tensor([ids.setdefault(tuple(c), len(ids)) for c, sampled_in in zip(
+        rows.contexts, on.tolist()) if sampled_in], dtype=torch.long)  # (rows on,)
+    inv_lambda = rows.completion_mask.float()  # 1 / |λ| = 1 for a row sampled elsewhere
+    inv_lambda[on] = lambda_weights(rows.completion_ids[on], rows.completion_mask[on], groups)
+    weights = rows.loss_weights * inv_lambda if enabled else rows.loss_weights
+    return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
@@ -517,15 +546,18 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     """Takes μ = --num-iterations optimizer steps on a batch of rows, whichever variant made them.
     At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
+    totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta), 0.0)
+    if not all_reduce([len(rows.contexts)])[0]:  # rule 5: no rank holds a row, so no step
+        return dict.fromkeys([*totals, "grad_norm"], math.nan)
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b)  # each mb: b row ids; sorted rows pad less
+    micro = lengths.argsort(stable=True).split(b) if len(lengths) else []  # sorted rows pad less
     on = lambda x, mb: x[mb].to(device)  # rows mb of x, on the model's device
     logps_of = lambda m, mb: completion_logps(m, [rows.contexts[i] for i in mb], on(  # of model m
         rows.completion_ids, mb), on(rows.completion_mask, mb), cfg.temperature)
     with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
         old = [None if mu_1 else logps_of(model, mb) for mb in micro]
         ref = [logps_of(ref_model, mb) if cfg.beta else None for mb in micro]
-    totals, grad_norms = {"loss": 0.0}, []
+    grad_norms = []
     for _ in range(cfg.num_iterations):
         for j, mb in enumerate(micro):
             logps = logps_of(model, mb)  # (b, C)
@@ -536,7 +568,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             loss.backward()
             totals["loss"] += loss.item()  # the pieces of -J add up to -J
             for key, value in metrics.items():  # token means -> token sums, / all tokens below
-                totals[key] = totals.get(key, 0.0) + value.item() * rows.completion_mask[mb].sum()
+                totals[key] += value.item() * rows.completion_mask[mb].sum()
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not grad_norms[-1].isfinite():
@@ -549,24 +581,17 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # 6. The training loop and the eval.
-# Rule 1 of train, below, at work with --loss-type dapo: 8 rows hold 16 tokens, so w is 1/16:
-#     rank 0:  micro-batch 0 (2 rows) gives piece a, micro-batch 1 (2 rows) piece b; 10 tokens
-#     rank 1:  micro-batch 0 (2 rows) gives piece c, micro-batch 1 (2 rows) piece d;  6 tokens
-#
-# A piece is Σ w ℓ over its rows, ℓ being a token's term of policy_loss. So a + b + c + d is
-# Σ ℓ / 16, one process's loss. Each backward adds the gradient of its piece, and sum_gradients
-# adds the two ranks' sums. Had each rank counted its own tokens, w would be 1/10 on rank 0 and
-# 1/6 on rank 1. A token of rank 1 would then weigh more than one of rank 0.
 def train(cfg) -> dict:
     """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
     The rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks. The rollout sets it with batch_weights,
-       before update splits the rows into micro-batches. So a micro-batch's loss is its piece of -J.
-    2. Every rank makes the same all_reduce calls in the same order. So does a rank whose GRPO-MA
-       thoughts all stayed open, though it has no answers to sample, score or weigh.
+    1. A token's w is its share of the batch on all ranks, set by batch_weights once the rows
+       that train are chosen. So the micro-batches' losses on all ranks add up to one -J.
+    2. Every rank makes the same all_reduce calls in the same order, whatever rows it holds.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
-    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all four."""
+    5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
+       thought gets no answers. A step where no rank holds a row makes no optimizer step.
+    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all five."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
@@ -577,7 +602,7 @@ def train(cfg) -> dict:
     print(f"grpo.py: {device}, weights {model.dtype}, autocast {'bf16' if bf16 else 'off'}")
     evaluation = lambda step: log({"step": step, "eval": evaluate(
         model, tokenizer, test_examples[:cfg.eval_limit or None], cfg, cfg.seed + 12345)})
-    P, t0 = cfg.prompts_per_step, time.time()
+    t0 = time.time()
     # matmuls in bf16 if on. No cast is cached, so none is stale after a step or lacks a graph.
     with torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
         if state is None:
@@ -585,10 +610,9 @@ def train(cfg) -> dict:
         bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
         for step in bar:  # counts from 0; the log and checkpoints count the steps done, step + 1
             t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
-            seed = cfg.seed * 1_000_003 + step  # rule 3; the ranks split its P prompts
-            batch = random.Random(seed).sample(examples, P)[rank * P // W:(rank + 1) * P // W]
-            torch.manual_seed(seed * W + rank)  # and each rank samples its own completions
-            rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
+            seed = cfg.seed * 1_000_003 + step  # rule 3
+            rows, metrics = sample_rows(model, tokenizer, cfg, examples, seed)  # rows that train
+            rows = replace(rows, loss_weights=batch_weights(rows, cfg))  # rule 1
             rows, metrics["lambda_mean"] = lambda_rows(rows, cfg.lambda_weights)
             metrics = mean_over_ranks(metrics)
             metrics |= update(model, ref_model, optimizer, rows, cfg)
@@ -607,11 +631,10 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
-    """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. They come from n =
-    --eval-samples samples a question at the training temperature. Each pass decodes
-    --eval-batch-size rows a chunk, so a sampled chunk holds --eval-batch-size / n questions.
-    Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain
-    completions, with no thought and answer split."""
+    """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
+    samples a question at the training temperature. A pass decodes --eval-batch-size rows a
+    chunk. Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples
+    plain completions, with no thought and answer split."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
@@ -665,6 +688,8 @@ class Config:
     response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
     variant: Literal["grpo", "ma", "ta"] = "grpo"
     lambda_weights: bool = False  # λ-GRPO's w / |λ(i,t)|, with any variant
+    dynamic_sampling: bool = False  # DAPO's: drop the groups without signal, draw more questions
+    max_gen_batches: int = 10  # draws of P questions a step at most, with --dynamic-sampling
     num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
     prompts_per_step: int = 16  # P, over all ranks
     max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
@@ -701,10 +726,9 @@ class Config:
     resume: bool = False  # continue the run in --out from its checkpoint, or start it
     overwrite: bool = False  # replace a run in --out, which without it or --resume stops
 
-# The flags that change no training, so a --resume may change them.
 RESUMABLE = {"micro_batch_size", "gradient_checkpointing", "steps", "test_data", "eval_every",
              "eval_samples", "eval_limit", "eval_batch_size", "log_completions", "save_every",
-             "out", "resume", "overwrite"}
+             "out", "resume", "overwrite"}  # the flags that change no training: --resume may
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -717,9 +741,9 @@ def parse_args(argv=None) -> Config:
     nonneg = ["beta", "epsilon", "epsilon_high", "warmup_steps", "eval_every", "save_every",
               "log_completions", "eval_limit"]  # may be 0; every other number must be > 0; any seed
     for name, value in vars(cfg).items():
-        rule = ">=" if name in nonneg else ">"
         if type(value) in (int, float) and name != "seed" and not (
                 (value >= 0 if name in nonneg else value > 0) and value < math.inf):
+            rule = ">=" if name in nonneg else ">"
             raise UserError(f"--{name.replace('_', '-')} {value}: must be {rule} 0")
     if cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", 1)):
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step}: the ranks must divide it")
@@ -792,9 +816,7 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
 def open_run(cfg: Config):
     """The latest checkpoint, its state and log(). A folder that holds a run is continued with
     --resume or replaced with --overwrite. Its state.pt loads with weights_only, so no code runs.
-    The log is cut back to the checkpoint, so no step is in it twice. Say a run saves every 25
-    steps and is killed in step 37. Its resume loads checkpoint-25, cuts the log back to 25 steps
-    and runs step 26 again, with the same prompts and samples."""
+    The log is cut back to the checkpoint, so no step is in it twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     number = lambda path: path.name.removeprefix("checkpoint-")  # "12" for checkpoint-12

@@ -64,14 +64,22 @@ def tiny():
     return model, tokenizer
 
 
-def make_rows(contexts, completion_ids, completion_mask, advantages=None, loss_weights=None, rewards=None):
+def make_rows(contexts, completion_ids, completion_mask, advantages=None, loss_weights=None, rewards=None,
+              groups=None):
     """grpo.Rows by keyword, the one place the tests build them by hand: unless given, advantages and rewards are
-    0 and the weights dapo's over these rows."""
+    0, every row is of group 0 and part 0, sampled in its context, and the weights are dapo's over these rows."""
     B = len(completion_ids)
+    zeros = torch.zeros(B, dtype=torch.long)
     return grpo.Rows(contexts, completion_ids, completion_mask,
                      torch.zeros(B) if advantages is None else advantages,
-                     grpo.aggregation_weights(completion_mask, "dapo") if loss_weights is None else loss_weights,
-                     torch.zeros(B) if rewards is None else rewards)
+                     torch.zeros(B) if rewards is None else rewards,
+                     zeros if groups is None else groups, zeros, zeros.bool(),
+                     grpo.aggregation_weights(completion_mask, "dapo") if loss_weights is None else loss_weights)
+
+
+def weighed(rows, cfg):
+    """Rows with the token weights the loop gives them (one process)."""
+    return grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg))
 
 
 def encode(tok, texts):
@@ -269,9 +277,8 @@ def test_update_works_one_grpo_step_by_hand(tiny):
     assert A.tolist() == pytest.approx([a, -a, -a, a], abs=1e-6) and a == pytest.approx(0.86588, abs=1e-5)
     _, mask = encode(tok, texts)
     assert mask.sum(1).tolist() == [4, 4, 2, 4]
-    weights = grpo.batch_weights(mask, "dapo", 32)  # what the rollout gives: here one process, the batch
-    assert torch.allclose(weights, mask / 14)
-    rows = text_rows(tok, prompt, texts, advantages=A, loss_weights=weights)
+    rows = weighed(text_rows(tok, prompt, texts, advantages=A), CFG)  # what the loop gives, in one process
+    assert torch.allclose(rows.loss_weights, mask / 14)
     dloss_dlogp = -A[:, None] * rows.completion_mask / 14  # -w A on every token
     expected = torch.autograd.grad((dloss_dlogp * hf_logps(model, rows, 1.0)).sum(), list(model.parameters()))
 
@@ -1065,7 +1072,7 @@ def rollout_rows(variant, model, tok, batch, **kw):
     cfg = grpo.Config(variant=variant, num_generations=3, num_thoughts=3, num_answers=2, num_rephrasings=2,
                       max_new_tokens=32, max_answer_tokens=8, **kw)
     torch.manual_seed(0)
-    return grpo.ROLLOUTS[variant](model, tok, cfg, batch)[0]
+    return weighed(grpo.ROLLOUTS[variant](model, tok, cfg, batch)[0], cfg)
 
 
 @pytest.mark.parametrize("variant", ["grpo", "ma", "ta"])
@@ -1210,7 +1217,8 @@ def ma_rollout(tok, M, weighting="parts", loss_type="dapo", questions=("1+2=", "
     cfg = grpo.Config(variant="ma", num_thoughts=K, num_answers=M, max_new_tokens=8, max_answer_tokens=6,
                       system_prompt="", ma_weighting=weighting, loss_type=loss_type, **kw)
     batch = [{"question": q, "answer": str(2 * int(q[0]) + (q[0] == "1")), "rephrasings": []} for q in questions]
-    return grpo.rollout_ma(scripted(tok, MA_SCRIPTS), tok, cfg, batch)
+    rows, metrics = grpo.rollout_ma(scripted(tok, MA_SCRIPTS), tok, cfg, batch)
+    return weighed(rows, cfg), metrics
 
 
 # The thoughts' share of the weights (of -J, for advantages all 1): P = 2 prompts, K = 2 thoughts each of 3 and 4
@@ -1254,7 +1262,7 @@ def test_ma_rows_hold_the_tree(tiny):
 
 def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
     """As TRL: the rows made times the longest completion allowed. Half the thoughts unclosed (3+3=): 4 thoughts,
-    limit 8; 2 · M answers, limit 6; pooled, 4 + 2M rows and the larger limit, 8."""
+    limit 8; 2 · M answers, limit 6; pooled, 4 + 2M rows and the thoughts' limit, 8."""
     tok = tiny[1]
     rows, _ = ma_rollout(tok, 2, "parts", "dr_grpo", questions=("1+2=", "3+3="))
     thoughts = torch.arange(len(rows.contexts)) < 4
@@ -1299,12 +1307,15 @@ def test_lambda_update_divides_each_token_term_by_lambda(tiny):
 
 
 def lambda_by_brute_force(rows):
-    """|λ(i,t)| counted row by row: the rows j with i's context whose tokens 0..t, all in the mask, equal i's."""
+    """|λ(i,t)| counted row by row: the rows j sampled in the context they train in, i's, whose tokens 0..t, all
+    in the mask, equal i's; 1 for a row sampled after another context (TA's rephrasings under the q0 anchor)."""
     sizes = torch.zeros(rows.completion_ids.shape)
     for i, t in rows.completion_mask.nonzero().tolist():
-        sizes[i, t] = sum(rows.contexts[j] == rows.contexts[i] and bool(rows.completion_mask[j, :t + 1].all())
-                          and torch.equal(rows.completion_ids[j, :t + 1], rows.completion_ids[i, :t + 1])
-                          for j in range(len(rows.contexts)))
+        sizes[i, t] = 1 if rows.off_policy[i] else sum(
+            rows.contexts[j] == rows.contexts[i] and not rows.off_policy[j]
+            and bool(rows.completion_mask[j, :t + 1].all())
+            and torch.equal(rows.completion_ids[j, :t + 1], rows.completion_ids[i, :t + 1])
+            for j in range(len(rows.contexts)))
     return sizes
 
 
@@ -1312,8 +1323,9 @@ def lambda_by_brute_force(rows):
                                             ("ta", "rephrased")])
 def test_lambda_weights_divide_every_variants_weights_by_a_count_over_rows_of_one_context(tiny, variant, anchor):
     """--lambda-weights on each variant's rows: w becomes the rollout's w / |λ|, |λ| counted by brute force over the
-    rows with the same context (under ma a prompt's thoughts and a thought's answers; under ta the responses anchored
-    on one phrasing), and lambda_mean is its mean over tokens. Without the flag w stays and lambda_mean is logged."""
+    rows sampled in the context they train in (under ma a prompt's thoughts and a thought's answers; under ta a
+    phrasing's responses, and under the q0 anchor only q0's own, the rephrasings' keeping their w), and lambda_mean
+    is its mean over tokens. Without the flag w stays and lambda_mean is logged."""
     model, tok = tiny
     batch = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:3]
     for on in (True, False):
@@ -1324,6 +1336,7 @@ def test_lambda_weights_divide_every_variants_weights_by_a_count_over_rows_of_on
         assert torch.equal(lambda_sizes, sizes[mask]) and (sizes[mask] > 1).any() and (sizes[mask] == 1).any()
         assert torch.allclose(weighed.loss_weights, torch.where(mask, before / sizes, 0.0) if on else before)
         assert torch.equal(rows.loss_weights, before)  # the rollout's rows are left as they were
+        assert bool(rows.off_policy.any()) == (variant == "ta" and anchor == "original")
     if variant == "ta":  # anchored on q0, one question's phrasings share a context: more rows share a prefix
         contexts = {tuple(c) for c in rows.contexts}
         assert len(contexts) == (3 if anchor == "original" else len(rows.contexts) // 3)
@@ -3117,10 +3130,8 @@ def ddp_case(loss_type, cache={}):
 
 def share(rows, rank, world, loss_type):
     """This rank's half of the rows, weighted by batch_weights: with the counts of all ranks."""
-    s = slice(rank * 32 // world, (rank + 1) * 32 // world)
-    mask = rows.completion_mask[s]
-    return grpo.Rows(rows.contexts[s], rows.completion_ids[s], mask, rows.advantages[s],
-                     grpo.batch_weights(mask, loss_type, 32), rows.rewards[s])
+    mine = torch.arange(32) // (32 // world) == rank
+    return weighed(grpo.take(rows, mine), grpo.Config(loss_type=loss_type, max_new_tokens=32))
 
 
 # Scripted answers per question (the tiny tokenizer), so that samples do not depend on the random stream: rank 0
