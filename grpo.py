@@ -4,7 +4,6 @@
     python grpo.py --variant ma     # or ta; --lambda-weights with any; README.md: real models
 
 One GRPO step, as train runs it:
-
     questions = P questions drawn from the data
     for each question q: o_1..o_G = G samples from π(· | q)          generate
     r_i = score(o_i, q's reference answer)                            score
@@ -35,8 +34,7 @@ The symbols, one meaning each:
 Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
 trainer's forward pass. No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our
 reading. TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split a batch.
-In one process the rank helpers of section 7, such as all_reduce, do nothing.
-"""
+In one process the rank helpers of section 7, such as all_reduce, do nothing."""
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass, replace
@@ -47,9 +45,8 @@ from typing import Literal, NamedTuple
 import torch, transformers
 from tqdm import tqdm
 
-# 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
-# pastes alone into a file and its examples run. In your own trainer, with log-probs (B, C) of the
-# sampled tokens under π, π_old and the reference:
+# 1. The schemes and the loss, on plain tensors. It needs only math and torch, so it pastes alone.
+# In your own trainer, with log-probs (B, C) of the sampled tokens under π, π_old and the reference:
 #     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(..., groups)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
@@ -79,8 +76,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
     """GRPO-MA's advantages of the thoughts and of their answers. They come from the answers'
-    rewards, each answer's thought and each thought's prompt. It returns A(th), A(ans) and V.
-
+    rewards, each answer's thought and each thought's prompt. It returns A(th), A(ans) and V:
         V(th)   = the mean reward of th's answers; 0 for an unclosed one: ours, the paper is silent
         A(th)   = V(th) normalised over the K thoughts of its prompt
         A(ans)  = r(ans) normalised over all answers of its prompt, not per thought
@@ -114,9 +110,9 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight: off-policy on purpose,
-    as in arXiv 2601.22478v5, because the rephrasings explore. Its code conditions on each
-    response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
+    So π given q0 learns from samples given q_j, with no importance weight. This is off-policy on
+    purpose, as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code conditions
+    on each response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, groups):
@@ -125,13 +121,13 @@ def lambda_weights(completion_ids, completion_mask, groups):
 
     The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t. It
     includes i itself and exact duplicates. So a prefix that k completions share is trained
-    once, not k times. A group of 6:
-        A B C D           1/2 1/2  1   1
-        A B E F H I       1/2 1/2  1   1   1   1
-        J K L M           1/3 1/3 1/3  1
-        J K L N Q S T     1/3 1/3 1/3 1/2 1/2  1   1
-        J K L N Q U       1/3 1/3 1/3 1/2 1/2  1
-        V W Y Z            1   1   1   1
+    once, not k times. Three rows of one group, the last one token shorter:
+    >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 0]])
+    >>> mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    >>> lambda_weights(ids, mask, torch.tensor([0, 0, 0]))
+    tensor([[0.3333, 0.5000, 1.0000],
+            [0.3333, 0.5000, 1.0000],
+            [0.3333, 1.0000, 0.0000]])
 
     To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
     policy and the KL terms, not the normaliser. Memory: n·n·C bools for a group of n rows."""
@@ -184,8 +180,7 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     (-2.0, tensor([[-1., -1.]]))
 
     At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
-    terms of the min are then ρA. Both give ∂loss/∂logp = -w A, the policy gradient. As in TRL,
-    ε_high is ε when None. The metrics are token means."""
+    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Metrics are token means."""
     mask = completion_mask.float()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(mask.bool(), adv, 0.0)  # (B, C), 0 off the mask
@@ -226,9 +221,8 @@ def score(text: str, reference: str, finished: bool) -> float:
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
-    """The default reward, called as TRL calls a reward function, like any --reward-fn. A
-    completion is text, or TRL's chat messages. Each data key comes by name, a value per row.
-    TRL passes no `finished`, so all count as ended."""
+    """The default --reward-fn, called as TRL calls a reward function. A completion is text or TRL's
+    chat messages. Each data key comes by name, a value per row. TRL passes no `finished`."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
@@ -290,9 +284,8 @@ class Samples(NamedTuple):
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()):
-    """Samples n completions of each prompt, as Samples. A row ends at an EOS, at the last token of
-    a stop string, or at the limit. Only an EOS makes it finished.
-    Each token is drawn from softmax(logits / T), with no top-k or top-p, as the loss assumes.
+    """Samples n completions of each prompt, as Samples. A row ends at an EOS, a stop string's end
+    or the limit. Tokens come from softmax(logits / T), no top-k or top-p, as the loss assumes.
         prefill     the prompts' KV cache and last logits, each copied to its n rows
         each step   a token per row; the rows that ended leave the batch and the cache;
                     logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]
@@ -346,7 +339,7 @@ class Rows:
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
     rewards: torch.Tensor          # (B,) shown by --log-completions; a GRPO-MA thought shows V
-    groups: torch.Tensor           # (B,) its question: the place in the rollout's batch
+    groups: torch.Tensor           # (B,) its question's place in the batch of its draw
     parts: torch.Tensor            # (B,) its part of J: 1 for GRPO-MA's answers, else 0
     off_policy: torch.Tensor       # (B,) True if sampled after another context than its own
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J: batch_weights
@@ -390,8 +383,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         3-4  prompt + thought 0  answers 0 and 1 of it     A(a_0m)    1     1 / (answer tokens)
         5-6  prompt + thought 2  answers 0 and 1 of it     A(a_2m)    1     1 / (answer tokens)
 
-    So J is the thoughts' mean plus the answers' mean, and M answers do not outweigh a thought.
-    Instead --ma-weighting tokens pools both parts in one mean."""
+    So J is the thoughts' mean plus the answers' mean. M answers do not outweigh a thought."""
     K, M = cfg.num_thoughts, cfg.num_answers
     # 1. Sample the tree. The comments show its indices in the example above.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
@@ -464,10 +456,10 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
-    """This rank's rows of a step, and the metrics of all it sampled. The step's seed draws P
-    questions for the ranks to split, and seeds the sampling (rule 3). --dynamic-sampling drops
-    the groups without signal, as DAPO does: a question's rows of one part, every A 0. P more
-    questions are drawn until P keep a group, or --max-gen-batches draws are spent."""
+    """This rank's rows of a step, and the metrics of all it sampled. The seed draws P questions for
+    the ranks to split (rule 3). --dynamic-sampling drops a question's rows of one part if every A
+    is 0, as DAPO (arXiv 2503.14476) drops a group without signal. P more questions are drawn until
+    P keep a group, or --max-gen-batches draws are spent. The first P in the order drawn stay."""
     P, (rank, W) = cfg.prompts_per_step, rank_and_world()
     rng, left, kept, draws = random.Random(seed), list(range(len(examples))), 0, []
     torch.manual_seed(seed * W + rank)  # each rank samples its own completions
@@ -490,9 +482,8 @@ def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
     return cat_rows(rows, keeps), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}
 
 def batch_weights(rows: Rows, cfg) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates, counting the rows and tokens of all ranks
-    (rule 1). Each part of J is aggregated alone, with its length limit. GRPO-MA's answers are
-    part 1, and --ma-weighting tokens pools them with the rest, part 0."""
+    """Each token's w in J, as --loss-type aggregates over all ranks (rule 1). Each part of J is
+    aggregated alone, with its length limit. --ma-weighting tokens pools the two parts."""
     parts = rows.parts * (cfg.ma_weighting == "parts")  # (B,)
     weights = torch.zeros(rows.completion_mask.shape)
     for p, limit in enumerate([cfg.max_new_tokens, cfg.max_answer_tokens]):
@@ -502,10 +493,10 @@ def batch_weights(rows: Rows, cfg) -> torch.Tensor:
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):
-    """λ-GRPO's weighting, for any variant: if enabled, each token's w is divided by |λ(i,t)|.
-    The group of row i is every row sampled and trained in i's context: under ma a prompt's
-    thoughts, or a thought's answers; under ta a phrasing's G responses. A row sampled in another
-    context keeps its w, as a rephrasing's response given q0 does (λ's premise fails: RESULTS.md)."""
+    """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant.
+    Row i's group is the rows sampled and trained in i's context. That is a prompt's thoughts or a
+    thought's answers under ma, a phrasing's G responses under ta. A row sampled in another context
+    keeps its w, as a rephrasing's response given q0 does. There λ's premise fails (RESULTS.md)."""
     on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: a context's
     groups = torch.tensor([ids.setdefault(tuple(c), len(ids)) for c, sampled_in in zip(
         rows.contexts, on.tolist()) if sampled_in], dtype=torch.long)  # (rows on,)
@@ -516,10 +507,9 @@ def lambda_rows(rows: Rows, enabled: bool):
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
-    """Log softmax(logits / T) of each completion token, given its context and the tokens before
-    it. B by C, 0 off the mask. One forward pass over each context + completion, no KV
-    cache. Each row is right-padded, so no position sees only padding. On CUDA such a position
-    can turn the attention's backward pass to NaN.
+    """Log softmax(logits / T) of each completion token, given its context and the tokens before it.
+    B by C, 0 off the mask. One forward pass, no KV cache. Each row is right-padded, so no position
+    sees only padding. On CUDA such a position can turn the attention's backward pass to NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
         predicts         t1 t2  -         position 3 - 1 + j predicts completion token j
@@ -581,17 +571,21 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
             for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
 
 # 6. The training loop and the eval.
+# Rule 1 of train, below, with --loss-type dapo: 8 rows hold 16 tokens, so w is 1/16 on all ranks.
+#     rank 0:  micro-batch 0 gives piece a, micro-batch 1 piece b;  10 tokens
+#     rank 1:  micro-batch 0 gives piece c, micro-batch 1 piece d;   6 tokens
+# A piece is Σ w ℓ over its rows, ℓ a token's term of policy_loss. So a + b + c + d is Σ ℓ / 16,
+# one process's loss. Had each rank counted its own tokens, w would be 1/10 and 1/6.
 def train(cfg) -> dict:
-    """Train as configured, and return rank 0's summary. A new run evals the starting policy first.
-    The rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks, set by batch_weights once the rows
+    """Train as configured, and return rank 0's summary. The rules an editor of the loop must keep:
+    1. A token's w is its share of the batch on all ranks. It is set by batch_weights once the rows
        that train are chosen. So the micro-batches' losses on all ranks add up to one -J.
     2. Every rank makes the same all_reduce calls in the same order, whatever rows it holds.
     3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
     5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
        thought gets no answers. A step where no rank holds a row makes no optimizer step.
-    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after"` checks all five."""
+    After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
@@ -632,9 +626,8 @@ def train(cfg) -> dict:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
-    samples a question at the training temperature. A pass decodes --eval-batch-size rows a
-    chunk. Chunk c is seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples
-    plain completions, with no thought and answer split."""
+    samples a question at the training temperature. A chunk is --eval-batch-size rows. Chunk c is
+    seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
@@ -657,17 +650,15 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
     return {"greedy": greedy / len(examples)} | {
         f"pass@{k}": total / len(examples) for k, total in enumerate(pass_k, 1)}
 
-# 7. Plumbing: printed lines, flags, data, models, run folder, checkpoints, ranks. Bad input stops
-# with one line. Nothing here is GRPO, so a first read may stop at this line.
+# 7. Plumbing: printing, flags, data, models, checkpoints, ranks. A first read may stop here.
 def show_group(tokenizer, rows: Rows, step: int):
-    """Print the rows that share the first row's context: reward, advantage, text. A long text
-    shows its start and its end, where the answer is. Whitespace prints as one space."""
+    """Print the rows that share the first row's context: reward, advantage, text."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     for i, text in zip(shown, texts):  # per-token advantages show as their mean where not 0
         a = rows.advantages[i].sum() / rows.advantages[i].count_nonzero().clamp(min=1)
         text = " ".join(text.split())
-        text = text if len(text) <= 100 else f"{text[:30]} [...] {text[-64:]}"
+        text = text if len(text) <= 100 else f"{text[:30]} [...] {text[-64:]}"  # keep the answer
         tqdm.write(f"step {step}  r {rows.rewards[i]:4.2f}  A {a:+5.2f}  {text}")
 
 def summary(cfg, wall_s: float) -> dict:
@@ -769,9 +760,8 @@ def load_jsonl(path, at_least: int = 1) -> list[dict]:
     return examples
 
 def check_prefix(cfg: Config, examples: list[dict]):
-    """Score an empty completion on every question, so a reward that fails does so before anything
-    loads. Then stop if --response-prefix alone earns more reward than that on any question. Every
-    lone EOS would earn it, so the reward would not come from the model."""
+    """Score an empty completion on every question, so a bad reward fails before anything loads.
+    Then stop if --response-prefix alone earns more on any question. A lone EOS would earn it."""
     n = len(examples)
     empty = score_batch(replace(cfg, response_prefix=""), examples, [""] * n, [True] * n)
     if cfg.response_prefix and (score_batch(cfg, examples, [""] * n, [True] * n) > empty).any():
@@ -814,9 +804,8 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
     return model, tokenizer, ref_model, optimizer, scheduler
 
 def open_run(cfg: Config):
-    """The latest checkpoint, its state and log(). A folder that holds a run is continued with
-    --resume or replaced with --overwrite. Its state.pt loads with weights_only, so no code runs.
-    The log is cut back to the checkpoint, so no step is in it twice."""
+    """The latest checkpoint, its state and log(). Its state.pt loads with weights_only, so no code
+    runs. The log is cut back to the checkpoint, so no step is in it twice."""
     out, rank = Path(cfg.out), rank_and_world()[0]
     held = sorted([*out.glob("checkpoint-*"), *out.glob("metrics.jsonl")])
     number = lambda path: path.name.removeprefix("checkpoint-")  # "12" for checkpoint-12
@@ -889,8 +878,7 @@ def mean_over_ranks(metrics: dict) -> dict:
     return {k: sums[i] / sums[n + i] if sums[n + i] else math.nan for i, k in enumerate(metrics)}
 
 def sum_gradients(model):
-    """Sum the gradients over the ranks. The loss weights are shares of the global batch. So the
-    sum, not the mean, is one process's gradient."""
+    """Sum the ranks' gradients, not their mean. Each w is a share of the whole batch (rule 1)."""
     for p in model.parameters() if torch.distributed.is_initialized() else []:
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # the same calls on every rank
         torch.distributed.all_reduce(p.grad)
