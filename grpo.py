@@ -4,7 +4,7 @@
     python grpo.py --variant ma     # or ta; --lambda-weights with any; README.md: real models
 
 One GRPO step, as train runs it:
-    questions = P questions drawn from the data
+    questions = P questions drawn from the data                       sample_rows
     for each question q: o_1..o_G = G samples from π(· | q)          generate
     r_i = score(o_i, q's reference answer)                            score
     A_i = (r_i - mean(r)) / (std(r) + eps) over q's G samples         group_advantages
@@ -370,9 +370,9 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     advantages = group_advantages(rewards, group, cfg.scale_rewards)
     metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
                    completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
-    no = torch.zeros_like(group, dtype=bool)  # each row sampled in the context it trains in
+    part, off_policy = torch.zeros_like(group), torch.zeros_like(group, dtype=bool)  # 0, False
     return Rows([prompts[p] for p in group], s.completion_ids, s.completion_mask, advantages,
-                rewards, group, no.long(), no), metrics
+                rewards, group, part, off_policy), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
@@ -470,7 +470,7 @@ def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
         batch = [examples[i] for i in drawn[rank * P // W:(rank + 1) * P // W]]
         rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
         signal = ~no_signal(rows.advantages, 2 * rows.groups + rows.parts, 2 * len(batch))
-        signal = signal.view(-1, 2) | (not cfg.dynamic_sampling)  # (questions, parts): trains
+        signal = signal.view(-1, 2) | (not cfg.dynamic_sampling)  # (questions, parts); no flag: all
         stays = signal.any(1)  # (questions,)
         counts = all_reduce([stays.sum() if r == rank else 0 for r in range(W)])  # each rank's
         stays &= kept + sum(counts[:rank]) + stays.cumsum(0) <= P  # the first P: W ranks as one
@@ -497,7 +497,7 @@ def lambda_rows(rows: Rows, enabled: bool):
     Row i's group is the rows sampled and trained in i's context. That is a prompt's thoughts or a
     thought's answers under ma, a phrasing's G responses under ta. A row sampled in another context
     keeps its w, as a rephrasing's response given q0 does. There λ's premise fails (RESULTS.md)."""
-    on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: a context's
+    on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: one per context
     groups = torch.tensor([ids.setdefault(tuple(c), len(ids)) for c, sampled_in in zip(
         rows.contexts, on.tolist()) if sampled_in], dtype=torch.long)  # (rows on,)
     inv_lambda = rows.completion_mask.float()  # 1 / |λ| = 1 for a row sampled elsewhere

@@ -3615,3 +3615,38 @@ def test_bench_compare_lambda(request, tmp_path):
         for name, flags in (("grpo", []), ("grpo + λ", ["--lambda-weights"])):
             cells[f"{name}, T={temperature}"] = EVAL + flags + ["--temperature", temperature]
     compare("λ-GRPO vs GRPO, shipped tiny model", cells, tmp_path, extra=["lambda_mean", "lambda_shared"])
+
+
+@bench
+def test_bench_ta_lambda_pushes_against_the_rephrasings_answers(tiny):
+    """GRPO_BENCH=1 python -m pytest -q -s -k ta_lambda_pushes: why ta + λ fell (issue 58). One rollout of the
+    default ta (N = 3, G = 8, P = 16, the q0 anchor) from the shipped model, seeds 0-4. The gradient of the loss
+    over the rows sampled after a rephrasing, trained given q0, splits into its A > 0 and A < 0 halves; each
+    half's norm is printed as a share of the update's (the whole batch's gradient norm): plainly weighed, with λ
+    counted over the whole pool given q0 (3085c83), and with λ over q0's own rows, where those rows keep w."""
+    model, tok = tiny
+    cfg = grpo.Config(variant="ta")
+    examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")
+
+    def grad(rows, weights, rows_in):
+        model.zero_grad()
+        logps = grpo.completion_logps(model, rows.contexts, rows.completion_ids, rows.completion_mask, 1.0)
+        (-(weights * rows.advantages[:, None] * logps)[rows_in].sum()).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    shares = {name: [] for name in ("plain", "λ over the pool (3085c83)", "λ over q0's own rows")}
+    for seed in range(5):
+        rows, _ = grpo.sample_rows(model, tok, cfg, examples, seed)
+        rows = weighed(rows, cfg)
+        pool = lambda_weights_padded(rows.completion_ids, rows.completion_mask,
+                                     torch.tensor([rows.contexts.index(c) for c in rows.contexts]))
+        for name, weights in zip(shares, (rows.loss_weights, rows.loss_weights * pool,
+                                          grpo.lambda_rows(rows, True)[0].loss_weights)):
+            whole = grad(rows, weights, torch.ones(len(rows.contexts), dtype=torch.bool)).norm()
+            off = rows.off_policy
+            shares[name].append([(grad(rows, weights, off & (rows.advantages > 0)).norm() / whole).item(),
+                                 (grad(rows, weights, off & (rows.advantages < 0)).norm() / whole).item()])
+    model.zero_grad(set_to_none=True)
+    print("\n| weights | the rephrasings' A > 0 half | their A < 0 half |\n|---|---|---|")
+    for name, values in shares.items():
+        pos, neg = (statistics.mean(v[i] for v in values) for i in (0, 1))
+        print(f"| {name} | {pos:.2f} × the update | {neg:.2f} × the update |")
