@@ -377,7 +377,8 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
     Each closed thought gets M answers, sampled after prompt + thought. An open thought gets no
-    answers, so V = 0. With one prompt, K = 3, M = 2 and thought 1 open, the rows are:
+    answers, so V = 0, and it is pushed down if a sibling's V > 0. With one prompt, K = 3, M = 2
+    and thought 1 open, the rows are:
         row  context             completion                advantage  part  w (batch_weights)
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
         3-4  prompt + thought 0  answers 0 and 1 of it     A(a_0m)    1     1 / (answer tokens)
@@ -456,10 +457,12 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
 def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
-    """This rank's rows of a step, and the metrics of all it sampled. The seed draws P questions for
-    the ranks to split (rule 3). --dynamic-sampling drops a question's rows of one part if every A
-    is 0, as DAPO (arXiv 2503.14476) drops a group without signal. P more questions are drawn until
-    P keep a group, or --max-gen-batches draws are spent. The first P in the order drawn stay."""
+    """This rank's rows of a step, and the metrics of all it sampled. The seed draws the questions
+    (train's rule 3). Without --dynamic-sampling one draw keeps every row. With it, as DAPO's:
+        repeat: draw P questions not drawn before; the ranks split them and roll them out
+                drop each group without signal: a question's rows of one part, every A = 0
+                keep the first P questions that have a group left, in draw order, on all ranks
+        until P are kept or --max-gen-batches draws are spent"""
     P, (rank, W) = cfg.prompts_per_step, rank_and_world()
     rng, left, kept, draws = random.Random(seed), list(range(len(examples))), 0, []
     torch.manual_seed(seed * W + rank)  # each rank samples its own completions
@@ -469,7 +472,7 @@ def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
         left = sorted(set(left) - set(drawn))
         batch = [examples[i] for i in drawn[rank * P // W:(rank + 1) * P // W]]
         rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
-        signal = ~no_signal(rows.advantages, 2 * rows.groups + rows.parts, 2 * len(batch))
+        signal = ~no_signal(rows.advantages, 2 * rows.groups + rows.parts, 2 * len(batch))  # group
         signal = signal.view(-1, 2) | (not cfg.dynamic_sampling)  # (questions, parts); no flag: all
         stays = signal.any(1)  # (questions,)
         counts = all_reduce([stays.sum() if r == rank else 0 for r in range(W)])  # each rank's
@@ -482,8 +485,8 @@ def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
     return cat_rows(rows, keeps), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}
 
 def batch_weights(rows: Rows, cfg) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates over all ranks (rule 1). Each part of J is
-    aggregated alone, with its length limit. --ma-weighting tokens pools the two parts."""
+    """Each token's w in J, as --loss-type aggregates over all ranks (train's rule 1). Each part
+    of J is aggregated alone, with its length limit. --ma-weighting tokens pools the two parts."""
     parts = rows.parts * (cfg.ma_weighting == "parts")  # (B,)
     weights = torch.zeros(rows.completion_mask.shape)
     for p, limit in enumerate([cfg.max_new_tokens, cfg.max_answer_tokens]):
@@ -496,7 +499,8 @@ def lambda_rows(rows: Rows, enabled: bool):
     """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant.
     Row i's group is the rows sampled and trained in i's context. That is a prompt's thoughts or a
     thought's answers under ma, a phrasing's G responses under ta. A row sampled in another context
-    keeps its w, as a rephrasing's response given q0 does. There λ's premise fails (RESULTS.md)."""
+    keeps its w, as a rephrasing's response given q0 does. There λ's premise fails (RESULTS.md).
+    Not enabled, w stays, and |λ| is returned for the log alone (lambda_mean)."""
     on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: one per context
     groups = torch.tensor([ids.setdefault(tuple(c), len(ids)) for c, sampled_in in zip(
         rows.contexts, on.tolist()) if sampled_in], dtype=torch.long)  # (rows on,)
@@ -537,7 +541,7 @@ def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
     At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
     device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
     totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta), 0.0)
-    if not all_reduce([len(rows.contexts)])[0]:  # rule 5: no rank holds a row, so no step
+    if not all_reduce([len(rows.contexts)])[0]:  # train's rule 5: no rank holds a row, no step
         return dict.fromkeys([*totals, "grad_norm"], math.nan)
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
     micro = lengths.argsort(stable=True).split(b) if len(lengths) else []  # sorted rows pad less
