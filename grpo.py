@@ -339,7 +339,7 @@ class Rows:
     completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
     rewards: torch.Tensor          # (B,) shown by --log-completions; a GRPO-MA thought shows V
-    groups: torch.Tensor           # (B,) its question's place in the batch of its draw
+    groups: torch.Tensor           # (B,) its question's place in its draw, for sample_rows
     parts: torch.Tensor            # (B,) its part of J: 1 for GRPO-MA's answers, else 0
     off_policy: torch.Tensor       # (B,) True if sampled after another context than its own
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J: batch_weights
@@ -472,9 +472,10 @@ def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
         left = sorted(set(left) - set(drawn))
         batch = [examples[i] for i in drawn[rank * P // W:(rank + 1) * P // W]]
         rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
-        signal = ~no_signal(rows.advantages, 2 * rows.groups + rows.parts, 2 * len(batch))  # group
-        signal = signal.view(-1, 2) | (not cfg.dynamic_sampling)  # (questions, parts); no flag: all
-        stays = signal.any(1)  # (questions,)
+        group = 2 * rows.groups + rows.parts  # (B,) a group: a question's rows of one part
+        signal = ~no_signal(rows.advantages, group, 2 * len(batch)).view(-1, 2)  # (questions, 2)
+        signal |= not cfg.dynamic_sampling  # without the flag every group trains
+        stays = signal.any(1)  # (questions,) those with a group left
         counts = all_reduce([stays.sum() if r == rank else 0 for r in range(W)])  # each rank's
         stays &= kept + sum(counts[:rank]) + stays.cumsum(0) <= P  # the first P: W ranks as one
         keep = stays[rows.groups] & signal[rows.groups, rows.parts]  # (B,)
