@@ -3489,7 +3489,8 @@ def test_torchrun_two_ranks_train_save_and_resume(tmp_path):
     assert [l["step"] for l in lines] == [0, 1, 2, 2]  # each line once
     assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]
     assert stdout.count("grpo: greedy") == 1
-    assert stdout.splitlines()[:2] == ["grpo.py: cpu, weights torch.float32, autocast off"] * 2
+    device_line = "grpo.py: cpu, weights torch.float32, autocast off"  # once a rank; the two may interleave
+    assert stdout.count(device_line) == 2 and stdout.rindex(device_line) < stdout.index("grpo: greedy")
     torchrun(tmp_path / "run", "--steps", "4", "--resume")
     torchrun(tmp_path / "whole", "--steps", "4")
     assert_same_run(tmp_path / "run", tmp_path / "whole", step=4)
