@@ -345,7 +345,7 @@ class Rows:
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J: batch_weights
 
 def cat_rows(many: list[Rows], keeps=None) -> Rows:
-    """Rows after rows as one, or the rows each keep (B,) marks; (B, C) tensors right-padded."""
+    """Rows after rows as one, or the rows each keep (B,) marks, right-padded. w is set after."""
     keeps = keeps or [torch.ones(len(rows.contexts), dtype=bool) for rows in many]
     C = max(rows.completion_ids.shape[1] for rows in many)
     pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
