@@ -17,10 +17,12 @@ grpo.group_advantages and grpo.lambda_weights, panel (a) scores with grpo.ma_adv
 """
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -162,6 +164,114 @@ def experiments(seeds: int):
     return out
 
 # -----------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct on one-digit sums, token-bound where the tiny model is launch-bound
+
+SMOLLM2 = ["--model", str(HERE / "smollm2"), "--data", str(HERE / "sums" / "train.jsonl"), "--test-data",
+           str(HERE / "sums" / "test.jsonl"), "--response-prefix", "<think>", "--reward-fn",
+           f"{HERE / 'rewards.py'}:last_number", "--prompts-per-step", "2", "--lr", "1e-5", "--warmup-steps", "0",
+           "--max-new-tokens", "64", "--eval-samples", "4", "--eval-every", "0", "--save-every", "0"]
+# 16 scored answers a question in every run; GRPO-MA's thought and answer add up to GRPO's 64 tokens
+MA, TA, LAMBDA = (["--variant", "ma", "--num-thoughts", "4", "--num-answers", "4", "--max-new-tokens", "48",
+                   "--max-answer-tokens", "16"], ["--variant", "ta", "--num-rephrasings", "3",
+                                                  "--num-generations", "4"], ["--lambda-weights"])
+REAL_RUNS = {"GRPO G=16": ["--num-generations", "16"], "GRPO-MA T4A4": MA, "TA-GRPO N=3 G=4": TA,
+             "GRPO G=16 + λ": ["--num-generations", "16"] + LAMBDA,
+             "GRPO G=16 + dynamic sampling": ["--num-generations", "16", "--dynamic-sampling",
+                                              "--max-gen-batches", "2"],
+             "GRPO-MA T4A4 + λ": MA + LAMBDA, "TA-GRPO N=3 G=4 + λ": TA + LAMBDA}
+
+
+@contextlib.contextmanager
+def sampling_log(path: Path):
+    """While open, each grpo.sample_rows call appends a line to `path`: its step, its seconds, the tokens its
+    rollouts sampled and the tokens of the rows it returns, those that train. grpo.py logs only time/step, so
+    the rest of the step, the weights and the update, is time/step minus these seconds."""
+    sample_rows, rollouts, sampled = grpo.sample_rows, dict(grpo.ROLLOUTS), []
+
+    def counted(rollout):
+        def call(*args):
+            rows, metrics = rollout(*args)
+            sampled.append(int(rows.completion_mask.sum()))
+            return rows, metrics
+        return call
+
+    def timed(model, tokenizer, cfg, examples, seed):
+        sampled.clear()
+        t = time.perf_counter()
+        rows, metrics = sample_rows(model, tokenizer, cfg, examples, seed)
+        line = {"step": seed - cfg.seed * 1_000_003 + 1, "sample_s": time.perf_counter() - t,  # train's seed
+                "sampled": sum(sampled), "trained": int(rows.completion_mask.sum())}
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return rows, metrics
+    grpo.ROLLOUTS.update({name: counted(rollout) for name, rollout in rollouts.items()})
+    grpo.sample_rows = timed
+    try:
+        yield
+    finally:
+        grpo.ROLLOUTS.update(rollouts)
+        grpo.sample_rows = sample_rows
+
+
+def read_real_run(folder: Path):
+    """A run's step lines, each with its sampling line (the last one of its step, as a resume repeats steps),
+    and its eval lines."""
+    steps, evals = read_run(folder)
+    sampling = {}
+    for line in (folder / "sampling.jsonl").read_text().splitlines():
+        sampling[json.loads(line)["step"]] = json.loads(line)
+    return [r | sampling[r["step"]] for r in steps], evals
+
+
+def real_experiments(seeds: int, steps: int = 4, base=SMOLLM2, runs=None, root=RUNS.parent / "smollm2"):
+    """Every run of the real-model table, each variant's seeds in a row, into data/variants/smollm2/. A run that
+    finished there is reused, and one that was cut off starts again."""
+    out = {}
+    for name, flags in (runs or REAL_RUNS).items():
+        out[name] = []
+        for seed in range(seeds):
+            folder = root / f"{name.replace(' ', '_')}-{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with sampling_log(folder / "sampling.jsonl"):
+                grpo.main(base + flags + ["--steps", str(steps), "--seed", str(seed), "--out", str(folder),
+                                          "--resume", "--log-completions", "0"])
+            out[name].append(read_real_run(folder))
+    return out
+
+
+def real_tables(out) -> str:
+    """The real-model table: mean ± standard deviation over seeds of each run's median step, means over steps,
+    and the evals after."""
+    median = lambda steps, key: statistics.median(r[key] for r in steps)
+    mean = lambda steps, key: statistics.mean(r.get(key, math.nan) for r in steps)
+    lines = ["| run | s a step | sampling | the rest | tokens sampled a step | trained | groups without signal "
+             "| q0's own | steps > 2 × median grad_norm | greedy after | pass@1 after | pass@4 after |",
+             "|---|" + "---|" * 11]
+    before = next(iter(out.values()))[0][1][0]["eval"]
+    lines.append(f"| before | | | | | | | | | {before['greedy']:.3f} | {before['pass@1']:.3f} | "
+                 f"{before['pass@4']:.3f} |")
+    for name, runs in out.items():
+        cols = [[median(s, "time/step") for s, _ in runs], [median(s, "sample_s") for s, _ in runs],
+                [median(s, "time/step") - median(s, "sample_s") for s, _ in runs],
+                [mean(s, "sampled") for s, _ in runs], [mean(s, "trained") for s, _ in runs],
+                [mean(s, "frac_reward_zero_std") for s, _ in runs],
+                [mean(s, "frac_reward_zero_std_q0") for s, _ in runs],
+                [spike_share([r["grad_norm"] for r in s]) for s, _ in runs]]
+        cols += [[e[-1]["eval"][k] for _, e in runs] for k in ("greedy", "pass@1", "pass@4")]
+        formats = [".1f"] * 3 + [".0f"] * 2 + [".3f"] * 6
+        lines.append(f"| {name} | " + " | ".join("" if math.isnan(c[0]) else mean_sd(c, f)
+                                                 for c, f in zip(cols, formats)) + " |")
+    grpo_runs = out["GRPO G=16"]
+    for name, runs in out.items():
+        ratios = [median(s, "time/step") / median(g, "time/step") for (s, _), (g, _) in zip(runs, grpo_runs)]
+        extra = ""
+        if "dynamic" in name:
+            extra = (f"; rows dropped {mean_sd([mean(s, 'frac_dropped') for s, _ in runs])}, questions drawn a "
+                     f"step {mean_sd([mean(s, 'prompts_drawn') for s, _ in runs])}")
+        lines.append(f"- {name}: step time / GRPO G=16's, seed by seed: {mean_sd(ratios)}{extra}")
+    return "\n".join(lines)
+
+# -----------------------------------------------------------------------------
 # The figure and its numbers
 
 
@@ -169,8 +279,8 @@ def moving_average(values, n=5):
     return [statistics.mean(values[max(0, i - n + 1):i + 1]) for i in range(len(values))]
 
 
-def mean_sd(xs):
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+def mean_sd(xs, f=".3f"):
+    return f"{statistics.mean(xs):{f}} ± {statistics.stdev(xs):{f}}" if len(xs) > 1 else f"{xs[0]:{f}}"
 
 
 def tables(out) -> str:
@@ -275,7 +385,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Measure each paper's mechanism and draw data/mechanisms.png.")
     parser.add_argument("--out", default=str(HERE / "mechanisms.png"))
     parser.add_argument("--seeds", type=int, default=3, help="seeds of panels (a), (d) and (e)")
+    parser.add_argument("--real", action="store_true", help="instead, the table of SmolLM2-135M-Instruct "
+                        "(after data/prepare.py smollm2): 21 runs, ~90 min on 2 cores")
     args = parser.parse_args(argv)
+    if args.real:
+        print(real_tables(real_experiments(args.seeds)))
+        return
     try:
         import matplotlib  # noqa: F401
     except ImportError:
