@@ -2426,6 +2426,44 @@ def test_mechanism_b_c_spikes_and_d_e_a_runs_metrics():
     assert [r["grad_norm"] for r in steps] == [2.0, 3.0] and [e["eval"]["pass@1"] for e in evals] == [0.1, 0.3]
 
 
+def test_mechanism_real_table_times_sampling_and_counts_tokens(tmp_path):
+    """The real-model table on the tiny model, one seed, 2 steps. Each step gets one sampling line, its seconds
+    inside time/step. The tokens it counts agree with what grpo.py logs: completion_length × the rows sampled
+    (prompts_drawn × G), fewer trained only where rows were dropped. Under ma every thought and answer trains,
+    so more tokens than the answers' alone. grpo.py's functions are its own again after each run."""
+    sample_rows, rollouts = grpo.sample_rows, dict(grpo.ROLLOUTS)
+    base = ["--prompts-per-step", "4", "--eval-limit", "8", "--eval-samples", "4", "--eval-every", "0",
+            "--save-every", "0"]
+    runs = {"GRPO G=16": ["--num-generations", "4"], "ma": ["--variant", "ma", "--num-answers", "2"],
+            "ds": ["--num-generations", "4", "--dynamic-sampling", "--max-gen-batches", "2"]}
+    out = mechanisms.real_experiments(1, 2, base, runs, tmp_path)
+    assert grpo.sample_rows is sample_rows and grpo.ROLLOUTS == rollouts
+    for name, [(steps, evals)] in out.items():
+        assert [r["step"] for r in steps] == [1, 2] and len(evals) == 2
+        for r in steps:
+            assert 0 < r["sample_s"] < r["time/step"]
+            if name == "ma":  # completion_length is the answers': P K (1 - unclosed) M of them
+                answer_tokens = r["completion_length"] * 4 * 4 * (1 - r["unclosed_thoughts"]) * 2
+                assert r["sampled"] == r["trained"] > answer_tokens + 0.5
+            else:
+                assert r["sampled"] == pytest.approx(r["completion_length"] * r["prompts_drawn"] * 4)
+                assert (r["trained"] < r["sampled"]) == (r["frac_dropped"] > 0)
+    ma = out["ma"][0][0]
+    table = mechanisms.real_tables(out)
+    ratio = statistics.median(r["time/step"] for r in ma) / statistics.median(
+        r["time/step"] for r in out["GRPO G=16"][0][0])
+    assert f"- ma: step time / GRPO G=16's, seed by seed: {ratio:.3f}" in table
+    assert table.count("\n| ") == 4  # before, and a row per run
+
+
+def test_mechanism_real_table_reads_the_last_sampling_line_of_a_step(tmp_path):
+    """A resumed run samples a step again: its later sampling line is the one read."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.0}\n{"step": 1, "eval": {}}\n')
+    (tmp_path / "sampling.jsonl").write_text('{"step": 1, "sample_s": 5}\n{"step": 1, "sample_s": 2}\n')
+    steps, evals = mechanisms.read_real_run(tmp_path)
+    assert steps == [{"step": 1, "loss": 0.0, "sample_s": 2}] and evals == [{"step": 1, "eval": {}}]
+
+
 def test_mechanism_f_the_tree_counts_target_samples():
     """Panel (f): at learning rate 0 the policy stays uniform over the 16 paths, so the target's share of the
     250 × 16 samples is 1/16 within 4 standard errors; every step's share is a multiple of 1/16."""
