@@ -2464,6 +2464,20 @@ def test_mechanism_real_table_reads_the_last_sampling_line_of_a_step(tmp_path):
     assert steps == [{"step": 1, "loss": 0.0, "sample_s": 2}] and evals == [{"step": 1, "eval": {}}]
 
 
+def test_mechanism_real_flag_prints_the_real_table_and_draws_nothing(monkeypatch, capsys, tmp_path):
+    """--real runs real_experiments with --seeds and prints its table, without matplotlib or the figure."""
+    step = {"step": 1, "time/step": 4.0, "sample_s": 1.0, "sampled": 8, "trained": 8, "grad_norm": 1.0,
+            "frac_reward_zero_std": 0.5}
+    evals = [{"eval": {"greedy": 0.0, "pass@1": 0.0, "pass@4": 0.0}}] * 2
+    calls = []
+    monkeypatch.setattr(mechanisms, "real_experiments", lambda seeds: calls.append(seeds) or {
+        "GRPO G=16": [([step], evals)]})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it would fail
+    mechanisms.main(["--real", "--seeds", "1", "--out", str(tmp_path / "figure.png")])
+    assert calls == [1] and "| GRPO G=16 | 4.0 | 1.0 | 3.0 | 8 | 8 | 0.500 |" in capsys.readouterr().out
+    assert not (tmp_path / "figure.png").exists()
+
+
 def test_mechanism_f_the_tree_counts_target_samples():
     """Panel (f): at learning rate 0 the policy stays uniform over the 16 paths, so the target's share of the
     250 × 16 samples is 1/16 within 4 standard errors; every step's share is a multiple of 1/16."""
