@@ -226,8 +226,8 @@ def read_real_run(folder: Path):
     and its eval lines."""
     steps, evals = read_run(folder)
     sampling = {}
-    for line in (folder / "sampling.jsonl").read_text().splitlines():
-        sampling[json.loads(line)["step"]] = json.loads(line)
+    for record in map(json.loads, (folder / "sampling.jsonl").read_text().splitlines()):
+        sampling[record["step"]] = record
     return [r | sampling[r["step"]] for r in steps], evals
 
 
@@ -239,7 +239,6 @@ def real_experiments(seeds: int, steps: int = 4, base=SMOLLM2, runs=None, root=R
         out[name] = []
         for seed in range(seeds):
             folder = root / f"{name.replace(' ', '_')}-{seed}"
-            folder.mkdir(parents=True, exist_ok=True)
             with sampling_log(folder / "sampling.jsonl"):
                 grpo.main(base + flags + ["--steps", str(steps), "--seed", str(seed), "--out", str(folder),
                                           "--resume", "--log-completions", "0"])
@@ -273,11 +272,9 @@ def real_tables(out) -> str:
     grpo_runs = out["GRPO G=16"]
     for name, runs in out.items():
         ratios = [median(s, "time/step") / median(g, "time/step") for (s, _), (g, _) in zip(runs, grpo_runs)]
-        extra = ""
-        if "dynamic" in name:
-            extra = (f"; rows dropped {mean_sd([mean(s, 'frac_dropped') for s, _ in runs])}, questions drawn a "
-                     f"step {mean_sd([mean(s, 'prompts_drawn') for s, _ in runs])}")
-        lines.append(f"- {name}: step time / GRPO G=16's, seed by seed: {mean_sd(ratios)}{extra}")
+        lines.append(f"- {name}: step time / GRPO G=16's, seed by seed: {mean_sd(ratios)}; rows dropped "
+                     f"{mean_sd([mean(s, 'frac_dropped') for s, _ in runs])}, questions drawn a step "
+                     f"{mean_sd([mean(s, 'prompts_drawn') for s, _ in runs])}")
     return "\n".join(lines)
 
 # -----------------------------------------------------------------------------
