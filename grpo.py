@@ -291,8 +291,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
                     logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]
         e.g.        B = 3 and row 1 ends: active [0 1 2] -> [0 2], so token[1] is then row 2's"""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
-        none = torch.zeros(0, 0, dtype=torch.long)
-        return Samples(none, none, torch.zeros(0, dtype=torch.bool))
+        return Samples(*[torch.zeros(0, 0, dtype=torch.long)] * 2, torch.zeros(0, dtype=torch.bool))
     device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
@@ -860,6 +859,8 @@ def setup_ranks() -> torch.device:
     if device.type == "cuda":  # under torchrun, each rank's own GPU
         torch.cuda.set_device(device := torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # Loading a model imports torch.distributed.nn, whose defaults keep any group made before,
+        __import__("torch.distributed.nn")  # and gloo's threads with it, which can abort the exit
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
 

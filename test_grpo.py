@@ -3457,9 +3457,10 @@ def ds_run_case(folder):
 def ddp_worker(rank, world, port, out, ds_cfg):
     """One rank: its share of the rollouts, the eval and the update of every loss type, saved by rank 0; then the
     dynamic-sampling run of ds_cfg through train, as torchrun's ranks run it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # two ranks on two cores
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    grpo.setup_ranks()
     result = {"metrics": rollout_and_eval_metrics(rank, world)}
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
@@ -3469,10 +3470,13 @@ def ddp_worker(rank, world, port, out, ds_cfg):
         torch.save(result, f"{out}/result.pt")
     torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port + 1))
+    os.environ.update(MASTER_PORT=str(port + 1))
     grpo.generate = generate_each
     grpo.train(grpo.replace(ds_cfg, out=f"{out}/ranks"))
-    os._exit(0)  # skip interpreter teardown, where gloo's threads sometimes abort the process
+    # Each group was made before a model loaded, as in train. destroy_process_group ended both, so
+    # no gloo thread is left to abort the exit: setup_ranks imported torch.distributed.nn first.
+    threads = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    assert not [name for name in threads if "gloo" in name], threads
 
 
 def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path, monkeypatch):
@@ -3480,7 +3484,8 @@ def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path, monkeypatc
     (every loss type; μ = 2, β > 0, micro-batches), the logged means over rows that ranks hold in different
     numbers (MA's answers: rank 1 has none; TA's phrasings), the eval split by chunks. Then train with dynamic
     sampling, step by step: a step where rank 1 keeps nothing, one where no rank keeps a row and no optimizer
-    steps, and one where all train, at μ = 2 and β > 0 with λ; the same log and weights as one process."""
+    steps, and one where all train, at μ = 2 and β > 0 with λ; the same log and weights as one process. Each rank
+    ends with no gloo thread, which at exit could abort it."""
     import socket
     with socket.socket() as s, socket.socket() as s2:
         s.bind(("127.0.0.1", 0))
