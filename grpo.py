@@ -180,24 +180,26 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     (-2.0, tensor([[-1., -1.]]))
 
     At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
-    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Metrics are token means."""
-    mask = completion_mask.float()
+    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Each metric holds one value
+    for each token of the mask, so its mean is a token mean: clip_low and clip_high are 1 where the
+    clip binds, and kl (β > 0) is the token's KL."""
+    on = completion_mask.bool()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    adv = torch.where(mask.bool(), adv, 0.0)  # (B, C), 0 off the mask
+    adv = torch.where(on, adv, 0.0)  # (B, C), 0 off the mask
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # ρ
     loss = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)  # (B, C)
-    metrics, n = {}, mask.sum().clamp(min=1)
+    metrics = {}
     if beta:
         assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
         delta = ref_per_token_logps - per_token_logps
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
-        metrics["kl"] = (kl * mask).sum().detach() / n
-    with torch.no_grad():  # the clip binds where ρ left the range in A's direction
-        metrics["clip_low"] = (((ratio < 1 - epsilon) & (adv < 0)) * mask).sum() / n
-        metrics["clip_high"] = (((ratio > 1 + epsilon_high) & (adv > 0)) * mask).sum() / n
-    return torch.where(mask.bool(), loss * loss_weights, 0.0).sum(), metrics
+        metrics["kl"] = kl[on].detach()
+    with torch.no_grad():  # the clip binds where ρ has left the range in A's direction
+        metrics["clip_low"] = ((ratio < 1 - epsilon) & (adv < 0))[on].float()
+        metrics["clip_high"] = ((ratio > 1 + epsilon_high) & (adv > 0))[on].float()
+    return torch.where(on, loss * loss_weights, 0.0).sum(), metrics
 
 # 2. The reward. What cannot be read is a miss, never a guess, because the policy would be trained
 # toward a false positive. Model output is read, never run. data/rewards.py reads real models.
@@ -284,14 +286,20 @@ class Samples(NamedTuple):
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int,
              temperature=1.0, greedy=False, stop_strings=()):
-    """Samples n completions of each prompt, as Samples. A row ends at an EOS, a stop string's end
-    or the limit. Tokens come from softmax(logits / T), no top-k or top-p, as the loss assumes.
-        prefill     the prompts' KV cache and last logits, each copied to its n rows
-        each step   a token per row; the rows that ended leave the batch and the cache;
-                    logits = lm_head(decoder(token, cache)) for the rest: row i is active[i]
-        e.g.        B = 3 and row 1 ends: active [0 1 2] -> [0 2], so token[1] is then row 2's"""
+    """Samples n completions of each prompt and returns them as Samples. A row ends at an EOS, at
+    the end of a stop string, or at the limit. Each token is drawn from softmax(logits / T), with
+    no top-k or top-p, because the loss assumes that distribution.
+
+        prefill     one pass over the P prompts fills the KV cache; each prompt's cache and last
+                    logits are then copied to its n rows, so the batch has B = P·n rows
+        each step   every row draws a token, and one decoder pass on those B tokens gives the
+                    next logits; a row that has ended draws pad tokens that its mask leaves out
+
+    Every step decodes all B rows, so the shapes stay the same from step to step, as a captured
+    GPU decode needs. The loop stops when every row has ended."""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
-        return Samples(*[torch.zeros(0, 0, dtype=torch.long)] * 2, torch.zeros(0, dtype=torch.bool))
+        empty = torch.zeros(0, 0, dtype=torch.long)
+        return Samples(empty, empty, torch.zeros(0, dtype=torch.bool))
     device, was_training = next(model.parameters()).device, model.training
     model.eval()  # no dropout; in train mode HF's gradient checkpointing would drop the cache
     ids, mask = (x.to(device) for x in pad_ids(prompts, tokenizer.pad_token_id))
@@ -303,131 +311,154 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     cache.reorder_cache(index)  # an index_select with repeats, so prompt p fills rows p·n..p·n+n-1
     logits, mask = logits[index], mask[index]  # (B, vocab), (B, L)
     B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
-    out, texts = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device), [""] * B
-    lengths, finished = torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
-    active = torch.arange(B, device=device)  # the rows still being decoded
+    out = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
+    ended = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) rows that have ended
+    finished, lengths, texts = torch.zeros_like(ended), torch.zeros_like(index), [""] * B
     for t in range(max_new_tokens):
-        token = logits.argmax(-1) if greedy else torch.multinomial(
-            (logits / temperature).softmax(-1), 1).squeeze(-1)
-        out[active, t] = token  # token[i], like ended[i] below, belongs to row active[i] of out
-        lengths[active] += 1
-        ended = torch.isin(token, eos)
-        finished[active[ended]] = True
-        for i, row in enumerate(active.tolist() if stop_strings else []):  # GRPO-MA's thoughts
-            texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
-            ended[i] |= any(s in texts[row] for s in stop_strings)  # what follows it stays
-        if ended.any():  # optional, for speed: ended rows leave the batch and the cache
-            active, mask, token = active[~ended], mask[~ended], token[~ended]
-            cache.batch_select_indices((~ended).nonzero().squeeze(1))
-        if not len(active) or t + 1 == max_new_tokens:
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
+        token = token.masked_fill(ended, tokenizer.pad_token_id)  # (B,) an ended row draws pad
+        out[:, t] = token
+        lengths += ~ended  # the rows still running count this token
+        ends_now = ~ended & torch.isin(token, eos)
+        finished |= ends_now
+        for row in (~ended).nonzero().flatten().tolist() if stop_strings else []:
+            texts[row] += tokenizer.decode(token[row:row + 1], skip_special_tokens=True)
+            ends_now[row] |= any(s in texts[row] for s in stop_strings)  # GRPO-MA's thoughts
+        ended |= ends_now
+        if ended.all() or t + 1 == max_new_tokens:
             break
-        mask = torch.cat([mask, mask.new_ones(len(active), 1)], 1)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         logits = model.lm_head(run_decoder(model, token[:, None], mask, cache)[:, -1]).float()
     model.train(was_training)
     C = int(lengths.max())
     completion_mask = (torch.arange(C, device=device) < lengths[:, None]).long()
     return Samples(out[:, :C].cpu(), completion_mask.cpu(), finished.cpu())
 
-# 4. The rows, and a rollout per variant for this rank's share of a batch (one process: all of it).
+# 4. The rows. A rollout samples the completions of a batch of questions and returns them as Rows.
 @dataclass
 class Rows:
-    """B completions with their contexts and advantages, from a rollout. Row i adds Σ_t w_it
-    min(ρ_it A_i, clip(ρ_it) A_i) to J, so update knows no variant. The loop sets w."""
-    contexts: list[list[int]]      # B lists of token ids, each what its completion continues
-    completion_ids: torch.Tensor   # (B, C) right-padded
-    completion_mask: torch.Tensor  # (B, C) 1 up to and including EOS or the stop string
-    advantages: torch.Tensor       # (B,) one per row; (B, C) for a per-token scheme of yours
-    rewards: torch.Tensor          # (B,) shown by --log-completions; a GRPO-MA thought shows V
-    groups: torch.Tensor           # (B,) its question's place in its draw, for sample_rows
-    parts: torch.Tensor            # (B,) its part of J: 1 for GRPO-MA's answers, else 0
-    off_policy: torch.Tensor       # (B,) True if sampled after another context than its own
-    loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J: batch_weights
+    """The completions of a batch, one row each, with what the loss needs to know of them. Row i
+    adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
+    rollout fills every field but loss_weights, which the loop sets with batch_weights.
 
-def cat_rows(many: list[Rows], keeps=None) -> Rows:
-    """Rows after rows as one, or the rows each keep (B,) marks, right-padded. w is set after."""
-    keeps = keeps or [torch.ones(len(rows.contexts), dtype=bool) for rows in many]
+    A group is the set of rows whose advantages are normalised together. It is the rows of one
+    question in one part of J, so a question has one group, or two under GRPO-MA:
+        variant   part 0 of J, one group a question     part 1 of J, one group a question
+        grpo      the G completions                     none
+        ma        the K thoughts                        the answers to all its closed thoughts
+        ta        the (N+1)·G responses to all phrasings none"""
+    contexts: list[list[int]]      # B lists of token ids: what each completion continues
+    completion_ids: torch.Tensor   # (B, C) right-padded
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
+    advantages: torch.Tensor       # (B,) one per row, or (B, C) for a per-token scheme of yours
+    outcomes: torch.Tensor         # (B,) the reward, or a GRPO-MA thought's value V; for the log
+    questions: torch.Tensor        # (B,) the index of the row's question in the rollout's batch
+    parts: torch.Tensor            # (B,) the row's part of J: 1 for GRPO-MA's answers, else 0
+    off_policy: torch.Tensor       # (B,) True if the row was sampled after another context
+    loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J, set by batch_weights
+
+def select_rows(rows: Rows, index, device="cpu") -> Rows:
+    """The rows at the positions that index (a 1-D tensor) lists, in that order, on device."""
+    tensors = {name: value[index].to(device) for name, value in vars(rows).items()
+               if isinstance(value, torch.Tensor)}
+    return Rows(contexts=[rows.contexts[i] for i in index.tolist()], **tensors)
+
+def cat_rows(many: list[Rows]) -> Rows:
+    """Several Rows as one, in order. Every (B, C) tensor is right-padded to the widest C."""
     C = max(rows.completion_ids.shape[1] for rows in many)
-    pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
-    cat = lambda *xs: torch.cat([pad(x)[keep] for x, keep in zip(xs, keeps)])
-    return Rows([c for r, keep in zip(many, keeps) for c, k in zip(r.contexts, keep) if k], *(
-        cat(*xs) for xs in zip(*((r.completion_ids, r.completion_mask, r.advantages, r.rewards,
-                                  r.groups, r.parts, r.off_policy) for r in many))))
+    tensors = {}
+    for name, value in vars(many[0]).items():
+        if isinstance(value, torch.Tensor):
+            pieces = [getattr(rows, name) for rows in many]
+            tensors[name] = torch.cat([torch.nn.functional.pad(x, (0, C - x.shape[1]))
+                                       if x.dim() == 2 else x for x in pieces])
+    return Rows(contexts=[c for rows in many for c in rows.contexts], **tensors)
 
 def no_signal(advantages, groups, num_groups: int):
     """True for each group whose rows all have A = 0: what frac_reward_zero_std counts."""
-    nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)
+    nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)  # (B,)
     return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO: G completions per prompt, advantages normalised within each prompt's group."""
+    """GRPO: G completions of each question, advantages normalised within the question's G."""
     G = cfg.num_generations
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
-    group = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's prompt
+    question = torch.arange(len(batch)).repeat_interleave(G)  # (P·G,) each row's question
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
-    rewards = score_batch(cfg, [batch[p] for p in group], texts, s.finished)
-    advantages = group_advantages(rewards, group, cfg.scale_rewards)
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, group, len(batch)),
+    rewards = score_batch(cfg, [batch[q] for q in question], texts, s.finished)
+    advantages = group_advantages(rewards, question, cfg.scale_rewards)
+    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, question, len(batch)),
                    completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
-    part, off_policy = torch.zeros_like(group), torch.zeros_like(group, dtype=bool)  # 0, False
-    return Rows([prompts[p] for p in group], s.completion_ids, s.completion_mask, advantages,
-                rewards, group, part, off_policy), metrics
+    return Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
+                completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
+                questions=question, parts=torch.zeros_like(question),
+                off_policy=torch.zeros_like(question, dtype=torch.bool)), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
-    """GRPO-MA: each prompt gets K thoughts, each ending at the token that completes </think>.
-    Each closed thought gets M answers, sampled after prompt + thought. An open thought gets no
-    answers, so V = 0, and it is pushed down if a sibling's V > 0. With one prompt, K = 3, M = 2
-    and thought 1 open, the rows are:
+    """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
+    </think>. Each closed thought gets M answers, sampled after the prompt and the thought. An open
+    thought gets no answers, so its V is 0, and it is pushed down if a sibling's V is above 0.
+    With one question, K = 3, M = 2 and thought 1 open, the rows are:
         row  context             completion                advantage  part  w (batch_weights)
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
-        3-4  prompt + thought 0  answers 0 and 1 of it     A(a_0m)    1     1 / (answer tokens)
-        5-6  prompt + thought 2  answers 0 and 1 of it     A(a_2m)    1     1 / (answer tokens)
+        3-4  prompt + thought 0  answers 0 and 1 to it     A(a_0m)    1     1 / (answer tokens)
+        5-6  prompt + thought 2  answers 0 and 1 to it     A(a_2m)    1     1 / (answer tokens)
 
-    So J is the thoughts' mean plus the answers' mean. M answers do not outweigh a thought."""
+    So J is the mean over the thoughts' tokens plus the mean over the answers' tokens, and M
+    answers do not outweigh the thought they follow."""
     K, M = cfg.num_thoughts, cfg.num_answers
     # 1. Sample the tree. The comments show its indices in the example above.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                         stop_strings=["</think>"])  # P·K rows
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: its prompt
+    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: a thought's question
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
-    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what its answers continue
+    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what a thought's answers continue
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
-                       cfg.max_answer_tokens, cfg.temperature)  # a row per answer_thought
+                       cfg.max_answer_tokens, cfg.temperature)  # one row per answer_thought
     answer_texts = decode(tokenizer, answers.completion_ids, answers.completion_mask)
     texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
-    rewards = score_batch(cfg, [batch[p] for p in thought_prompt[answer_thought]], texts,
-                          answers.finished)
+    answer_prompt = thought_prompt[answer_thought]  # [0 0 0 0]: an answer's question
+    rewards = score_batch(cfg, [batch[p] for p in answer_prompt], texts, answers.finished)
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
-    # 2. The rows: the P·K thoughts (part 0), then the answers (part 1), of one width
-    thought_rows = Rows([prompts[p] for p in thought_prompt], thoughts.completion_ids,
-                        thoughts.completion_mask, thought_adv, values, thought_prompt,
-                        torch.zeros_like(thought_prompt), torch.zeros_like(closed))
-    answer_rows = Rows([after[k] for k in answer_thought], answers.completion_ids,
-                       answers.completion_mask, answer_adv, rewards, thought_prompt[answer_thought],
-                       torch.ones_like(answer_thought), torch.zeros_like(closed[answer_thought]))
+    # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
+    thought_rows = Rows(contexts=[prompts[p] for p in thought_prompt],
+                        completion_ids=thoughts.completion_ids,
+                        completion_mask=thoughts.completion_mask, advantages=thought_adv,
+                        outcomes=values, questions=thought_prompt,
+                        parts=torch.zeros_like(thought_prompt), off_policy=torch.zeros_like(closed))
+    answer_rows = Rows(contexts=[after[k] for k in answer_thought],
+                       completion_ids=answers.completion_ids,
+                       completion_mask=answers.completion_mask, advantages=answer_adv,
+                       outcomes=rewards, questions=answer_prompt,
+                       parts=torch.ones_like(answer_prompt),
+                       off_policy=torch.zeros_like(answer_prompt, dtype=torch.bool))
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(
-        answer_adv, thought_prompt[answer_thought], len(batch)),
-        completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
-        unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
-        frac_truncated=~answers.finished)
+    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(answer_adv, answer_prompt,
+                                                                  len(batch)),
+                   completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
+                   unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
+                   frac_truncated=~answers.finished)
     return cat_rows([thought_rows, answer_rows]), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
-    """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step.
-    Each phrasing gets G responses. Take two questions, N = 1 and G = 2, where Q1 has no
-    rephrasing. The phrasings are then [Q0's q0, Q0's q1, Q1's q0], of questions [0, 0, 1]:
+    """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step,
+    and each phrasing gets G responses. Take two questions, N = 1 and G = 2, where question 1 has
+    no rephrasing. The phrasings are then [q0 of 0, q1 of 0, q0 of 1], of questions [0, 0, 1]:
         row            0 1   2 3   4 5
-        row_phrasing   0 0   1 1   2 2    the phrasing it was sampled after
-        row_question   0 0   0 0   1 1    its question, whose rows the advantages pool
-        row_q0         0 0   0 0   2 2    the phrasing that is its question's q0
-        context        0 0   0 0   2 2    the phrasing it continues: q0 under --ta-anchor original,
-                       0 0   1 1   2 2    its own under rephrased"""
+        row_phrasing   0 0   1 1   2 2    the phrasing that the row was sampled after
+        row_question   0 0   0 0   1 1    the row's question, whose rows the advantages pool
+        row_q0         0 0   0 0   2 2    the phrasing that is q0 of the row's question
+        context        0 0   0 0   2 2    the phrasing that the row continues in the loss:
+                       0 0   1 1   2 2    q0 under --ta-anchor original, its own under rephrased"""
     G, N = cfg.num_generations, cfg.num_rephrasings
     phrasing_text, phrasing_question, phrasing_q0 = [], [], []  # one entry per phrasing
     for p, ex in enumerate(batch):
@@ -440,72 +471,77 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     row_phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) each, as in the table
     row_question = torch.tensor(phrasing_question, dtype=torch.long)[row_phrasing]
     row_q0 = torch.tensor(phrasing_q0, dtype=torch.long)[row_phrasing]
-    rewards = score_batch(cfg, [batch[p] for p in row_question], decode(  # each prompt as asked
-        tokenizer, s.completion_ids, s.completion_mask), s.finished,
-        [phrasing_text[j] for j in row_phrasing])
+    texts = decode(tokenizer, s.completion_ids, s.completion_mask)
+    rewards = score_batch(cfg, [batch[p] for p in row_question], texts, s.finished,
+                          [phrasing_text[j] for j in row_phrasing])  # each prompt as it was asked
     advantages = ta_advantages(rewards, row_question, cfg.scale_rewards)
-    r0 = rewards[row_phrasing == row_q0].view(-1, G)  # q0's own G rewards, as GRPO's
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, row_question,
-                   len(batch)), completion_length=s.completion_mask.sum(1).float(),
+    r0 = rewards[row_phrasing == row_q0].view(-1, G)  # the G rewards of q0 itself, as GRPO's
+    metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
+                   frac_reward_zero_std=no_signal(advantages, row_question, len(batch)),
                    frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
                    frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
     context = row_q0 if cfg.ta_anchor == "original" else row_phrasing
-    return Rows([phrasings[j] for j in context], s.completion_ids, s.completion_mask, advantages,
-                rewards, row_question, 0 * row_question, context != row_phrasing), metrics
+    return Rows(contexts=[phrasings[j] for j in context], completion_ids=s.completion_ids,
+                completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
+                questions=row_question, parts=torch.zeros_like(row_question),
+                off_policy=context != row_phrasing), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
-def sample_rows(model, tokenizer, cfg, examples: list[dict], seed: int):
-    """This rank's rows of a step, and the metrics of all it sampled. The seed draws the questions
-    (train's rule 3). Without --dynamic-sampling one draw keeps every row. With it, as DAPO's:
-        repeat: draw P questions not drawn before; the ranks split them and roll them out
-                drop each group without signal: a question's rows of one part, every A = 0
-                keep the first P questions that have a group left, in draw order, on all ranks
-        until P are kept or --max-gen-batches draws are spent"""
-    P, (rank, W) = cfg.prompts_per_step, rank_and_world()
-    rng, left, kept, draws = random.Random(seed), list(range(len(examples))), 0, []
-    torch.manual_seed(seed * W + rank)  # each rank samples its own completions
-    draws_at_most = cfg.max_gen_batches if cfg.dynamic_sampling else 1
-    while kept < P <= len(left) and len(draws) < draws_at_most:
-        drawn = rng.sample(left, P)  # questions not drawn before in this step
-        left = sorted(set(left) - set(drawn))
-        batch = [examples[i] for i in drawn[rank * P // W:(rank + 1) * P // W]]
-        rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, batch)
-        group = 2 * rows.groups + rows.parts  # (B,) a group: a question's rows of one part
-        signal = ~no_signal(rows.advantages, group, 2 * len(batch)).view(-1, 2)  # (questions, 2)
-        signal |= not cfg.dynamic_sampling  # without the flag every group trains
-        stays = signal.any(1)  # (questions,) those with a group left
-        counts = all_reduce([stays.sum() if r == rank else 0 for r in range(W)])  # each rank's
-        stays &= kept + sum(counts[:rank]) + stays.cumsum(0) <= P  # the first P: W ranks as one
-        keep = stays[rows.groups] & signal[rows.groups, rows.parts]  # (B,)
-        draws.append((rows, keep, metrics | {"frac_dropped": ~keep}))  # rows that do not train
-        kept += min(int(sum(counts)), P - kept)
-    rows, keeps, metrics = zip(*draws)
-    metrics = {key: torch.cat([m[key] for m in metrics]) for key in metrics[0]}
-    return cat_rows(rows, keeps), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}
+class GroupTable(NamedTuple):
+    """What the loop needs to know of the groups of a draw, on every rank. Each field is
+    (questions, 2): a question's row holds its group in part 0 and its group in part 1 of J."""
+    rows: torch.Tensor    # (Q, 2) the number of rows in the group
+    tokens: torch.Tensor  # (Q, 2) the number of completion tokens in the group
+    signal: torch.Tensor  # (Q, 2) 1 if some row of the group has an advantage that is not 0
 
-def batch_weights(rows: Rows, cfg) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates over all ranks (train's rule 1). Each part
-    of J is aggregated alone, with its length limit. --ma-weighting tokens pools the two parts."""
-    parts = rows.parts * (cfg.ma_weighting == "parts")  # (B,)
+def group_table(rows: Rows, num_questions: int) -> GroupTable:
+    """The GroupTable of a rollout's rows, one row of the table for each question of its batch."""
+    def per_group(values):  # (B,) -> (Q, 2): the sum over each group's rows
+        table = torch.zeros(num_questions, 2, dtype=torch.long)
+        return table.index_put_((rows.questions, rows.parts), values.long(), accumulate=True)
+    part = [rows.parts == p for p in (0, 1)]  # (B,) each: the rows of part p
+    signal = [~no_signal(rows.advantages[on], rows.questions[on], num_questions) for on in part]
+    return GroupTable(rows=per_group(torch.ones(len(rows.contexts))),
+                      tokens=per_group(rows.completion_mask.sum(1)),
+                      signal=torch.stack(signal, 1).long())
+
+def keep_groups(signal, room: int):
+    """Dynamic sampling's choice among the groups of one draw: the groups with signal of the
+    first `room` questions that have one, in draw order. signal and the result are (Q, 2)."""
+    has_signal = signal.bool().any(1)  # (Q,)
+    first = has_signal & (has_signal.cumsum(0) <= room)
+    return signal.bool() & first[:, None]
+
+def batch_weights(rows: Rows, cfg, table: GroupTable) -> torch.Tensor:
+    """Each token's w in J, as --loss-type aggregates (train's rule 1). The table counts the rows
+    and tokens of every rank, so w is the token's share of the whole batch. Each part of J is
+    aggregated alone, with its own length limit. Under GRPO-MA, --ma-weighting tokens pools the
+    two parts into one, and the longer of the two limits is that pool's limit."""
+    num_rows, num_tokens = table.rows.sum(0), table.tokens.sum(0)  # (2,) each part's, all ranks
+    parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
+    if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
+        parts, num_rows, num_tokens = 0 * parts, num_rows.sum(0, True), num_tokens.sum(0, True)
+        limits = [max(limits)]
     weights = torch.zeros(rows.completion_mask.shape)
-    for p, limit in enumerate([cfg.max_new_tokens, cfg.max_answer_tokens]):
-        mask = rows.completion_mask[parts == p]  # this rank's rows of part p, then every rank's:
-        weights[parts == p] = aggregation_weights(mask, cfg.loss_type, *all_reduce([len(mask),
-                                                  mask.sum()]), limit)
+    for p, limit in enumerate(limits):
+        weights[parts == p] = aggregation_weights(rows.completion_mask[parts == p], cfg.loss_type,
+                                                  num_rows[p].item(), num_tokens[p].item(), limit)
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):
-    """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant.
-    Row i's group is the rows sampled and trained in i's context. That is a prompt's thoughts or a
-    thought's answers under ma, a phrasing's G responses under ta. A row sampled in another context
-    keeps its w, as a rephrasing's response given q0 does. There λ's premise fails (RESULTS.md).
-    Not enabled, w stays, and |λ| is returned for the log alone (lambda_mean)."""
-    on, ids = ~rows.off_policy, {}  # on: the rows sampled in their context; ids: one per context
-    groups = torch.tensor([ids.setdefault(tuple(c), len(ids)) for c, sampled_in in zip(
-        rows.contexts, on.tolist()) if sampled_in], dtype=torch.long)  # (rows on,)
+    """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant. λ counts
+    among the rows that were sampled after the same context and train in it: a question's thoughts
+    or a thought's answers under ma, a phrasing's G responses under ta. A row sampled after another
+    context keeps its w, as a rephrasing's response trained given q0 does, because λ's premise
+    fails there (RESULTS.md). When not enabled, w stays, and |λ| is returned for the log alone."""
+    on = ~rows.off_policy  # (B,) the rows sampled after the context they train in
+    ids = {}  # one id per context
+    context_ids = torch.tensor([ids.setdefault(tuple(c), len(ids))
+                                for c, sampled_here in zip(rows.contexts, on.tolist())
+                                if sampled_here], dtype=torch.long)  # (rows on,)
     inv_lambda = rows.completion_mask.float()  # 1 / |λ| = 1 for a row sampled elsewhere
-    inv_lambda[on] = lambda_weights(rows.completion_ids[on], rows.completion_mask[on], groups)
+    inv_lambda[on] = lambda_weights(rows.completion_ids[on], rows.completion_mask[on], context_ids)
     weights = rows.loss_weights * inv_lambda if enabled else rows.loss_weights
     return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
 
@@ -536,103 +572,165 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
         for h, t in zip(hidden.split(chunk), completion_ids[mask].split(chunk))])
     return logps
 
-def update(model, ref_model, optimizer, rows: Rows, cfg) -> dict:
-    """Takes μ = --num-iterations optimizer steps on a batch of rows, whichever variant made them.
-    At μ = 1 the logged loss is -Σ w A. It says little of progress, so watch the reward."""
-    device, b, mu_1 = next(model.parameters()).device, cfg.micro_batch_size, cfg.num_iterations == 1
-    totals = dict.fromkeys(["loss", "clip_low", "clip_high"] + ["kl"] * bool(cfg.beta), 0.0)
-    if not all_reduce([len(rows.contexts)])[0]:  # train's rule 5: no rank holds a row, no step
-        return dict.fromkeys([*totals, "grad_norm"], math.nan)
-    lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)
-    micro = lengths.argsort(stable=True).split(b) if len(lengths) else []  # sorted rows pad less
-    on = lambda x, mb: x[mb].to(device)  # rows mb of x, on the model's device
-    logps_of = lambda m, mb: completion_logps(m, [rows.contexts[i] for i in mb], on(  # of model m
-        rows.completion_ids, mb), on(rows.completion_mask, mb), cfg.temperature)
-    with torch.no_grad():  # π_old's log-probs if μ > 1, the reference's if β > 0
-        old = [None if mu_1 else logps_of(model, mb) for mb in micro]
-        ref = [logps_of(ref_model, mb) if cfg.beta else None for mb in micro]
-    grad_norms = []
-    for _ in range(cfg.num_iterations):
-        for j, mb in enumerate(micro):
-            logps = logps_of(model, mb)  # (b, C)
-            old_logps = logps.detach() if mu_1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
-            loss, metrics = policy_loss(logps, old_logps, on(rows.advantages, mb),
-                                        on(rows.completion_mask, mb), on(rows.loss_weights, mb),
-                                        ref[j], cfg.beta, cfg.epsilon, cfg.epsilon_high)
+def update(model, ref_model, optimizer, rows: Rows, cfg):
+    """Takes μ = --num-iterations optimizer steps on this rank's rows, whichever variant made them.
+    It returns this rank's part of the loss -J, averaged over the μ passes, and the metrics: the
+    grad_norm of each pass, and clip_low, clip_high and kl for each token of each pass. Its only
+    collective is the sum of the gradients, as DDP's. At μ = 1 the loss is -Σ w A, which says
+    little of progress, so watch the reward."""
+    device, mu, T = next(model.parameters()).device, cfg.num_iterations, cfg.temperature
+    lengths = torch.tensor([len(c) for c in rows.contexts], dtype=torch.long)
+    lengths += rows.completion_mask.sum(1)
+    order = lengths.argsort(stable=True)  # rows of like length share a micro-batch and pad less
+    micro_batches = [select_rows(rows, index, device)  # none on a rank that holds no rows
+                     for index in order.split(cfg.micro_batch_size) if len(index)]
+    old, ref = [], []  # π_old's log-probs if μ > 1, and the reference's if β > 0
+    with torch.no_grad():
+        for mb in micro_batches:
+            old.append(completion_logps(model, mb.contexts, mb.completion_ids, mb.completion_mask,
+                                        T) if mu > 1 else None)
+            ref.append(completion_logps(ref_model, mb.contexts, mb.completion_ids,
+                                        mb.completion_mask, T) if cfg.beta else None)
+    names = ["clip_low", "clip_high", "kl"] if cfg.beta else ["clip_low", "clip_high"]
+    per_token = {name: [torch.zeros(0)] for name in names}  # the values of every micro-batch
+    loss_sum, grad_norms = 0.0, []
+    for _ in range(mu):
+        for j, mb in enumerate(micro_batches):
+            logps = completion_logps(model, mb.contexts, mb.completion_ids, mb.completion_mask, T)
+            old_logps = logps.detach() if mu == 1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
+            loss, metrics = policy_loss(logps, old_logps, mb.advantages, mb.completion_mask,
+                                        mb.loss_weights, ref[j], cfg.beta, cfg.epsilon,
+                                        cfg.epsilon_high)
             loss.backward()
-            totals["loss"] += loss.item()  # the pieces of -J add up to -J
-            for key, value in metrics.items():  # token means -> token sums, / all tokens below
-                totals[key] += value.item() * rows.completion_mask[mb].sum()
+            loss_sum += loss.item()  # the micro-batches' pieces of -J add up to this rank's part
+            for name in names:
+                per_token[name].append(metrics[name].cpu())
         sum_gradients(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not grad_norms[-1].isfinite():
             raise UserError(f"the gradient norm is {grad_norms[-1]:.0f}: no update; lower --lr")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    *sums, tokens = all_reduce([*totals.values(), rows.completion_mask.sum()])  # all ranks' sums
-    # loss: -J averaged over the μ passes; kl and the clip fractions: token means, as policy_loss's
-    return {k: v / cfg.num_iterations / (1 if k == "loss" else tokens)
-            for k, v in zip(totals, sums)} | {"grad_norm": torch.stack(grad_norms).mean().item()}
+    metrics = {name: torch.cat(values) for name, values in per_token.items()}
+    return torch.tensor(loss_sum / mu), metrics | {"grad_norm": torch.stack(grad_norms).cpu()}
 
 # 6. The training loop and the eval.
+def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
+    """DAPO's dynamic sampling. It draws questions until P of them have a group with signal, where a
+    group has signal unless all of its advantages are 0. It returns this rank's rows of the groups
+    that train, the metrics of all that this rank sampled, and the GroupTable of every rank's groups
+    that train (a dropped group counts no rows and no tokens). The steps are:
+        repeat: draw P questions not drawn before in this step; roll out this rank's share of them
+                gather every rank's GroupTable, so that every rank holds all of the draw's groups
+                keep_groups: the groups with signal of the first questions that have one
+        until P questions are kept or --max-gen-batches draws are spent
+
+    Take two ranks and P = 2, so each rank rolls out one question of each draw (S: signal):
+        draw 1   rank 0: question a, no S     rank 1: question b, S     keep b        1 of 2
+        draw 2   rank 0: question c, S        rank 1: question d, S     keep c, not d 2 of 2
+    Both ranks see the same tables, so both choose alike. Rank 0 trains c, and rank 1 trains b."""
+    P, (rank, W) = cfg.prompts_per_step, rank_and_world()
+    share = slice(rank * P // W, (rank + 1) * P // W)  # this rank's share of a draw
+    left, kept, draws = list(range(len(examples))), 0, []
+    while kept < P <= len(left) and len(draws) < cfg.max_gen_batches:
+        drawn = rng.sample(left, P)  # questions not drawn before in this step
+        left = sorted(set(left) - set(drawn))
+        rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg,
+                                              [examples[i] for i in drawn[share]])
+        table = GroupTable(*map(gather, group_table(rows, P // W)))  # (P, 2) each, all ranks
+        keep = keep_groups(table.signal, P - kept)  # (P, 2) the groups that train
+        kept += int(keep.any(1).sum())
+        row_keep = keep[share][rows.questions, rows.parts]  # (B,) this rank's rows that train
+        table = GroupTable(rows=table.rows * keep, tokens=table.tokens * keep, signal=keep.long())
+        metrics |= {"frac_dropped": ~row_keep}
+        draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics, table))
+    rows, metrics, tables = zip(*draws)
+    metrics = {name: torch.cat([m[name] for m in metrics]) for name in metrics[0]}
+    table = GroupTable(*(torch.cat(field) for field in zip(*tables)))  # (draws·P, 2) each
+    return cat_rows(rows), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}, table
+
 # Rule 1 of train, below, with --loss-type dapo: 8 rows hold 16 tokens, so w is 1/16 on all ranks.
 #     rank 0:  micro-batch 0 gives piece a, micro-batch 1 piece b;  10 tokens
 #     rank 1:  micro-batch 0 gives piece c, micro-batch 1 piece d;   6 tokens
 # A piece is Σ w ℓ over its rows, ℓ a token's term of policy_loss. So a + b + c + d is Σ ℓ / 16,
 # one process's loss. Had each rank counted its own tokens, w would be 1/10 and 1/6.
 def train(cfg) -> dict:
-    """Train as configured, and return rank 0's summary. The rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks. It is set by batch_weights once the rows
-       that train are chosen. So the micro-batches' losses on all ranks add up to one -J.
-    2. Every rank makes the same all_reduce calls in the same order, whatever rows it holds.
-    3. The step's seed draws its prompts and seeds its sampling, so a resume repeats the step.
+    """Train as configured, and return rank 0's summary. A step takes a batch from the rollout to
+    the update in three stages, each a numbered block below:
+        1. rows     draw P questions, roll out this rank's share, gather every rank's GroupTable
+        2. weights  batch_weights: each token's share of the whole batch; then λ's weighting
+        3. update   μ optimizer steps, at the step's learning rate; then the log and the eval
+    The rules an editor of the loop must keep:
+    1. A token's w is its share of the batch on all ranks. batch_weights sets it from the
+       GroupTable, which counts every rank's rows that train. So the micro-batches' losses on all
+       ranks add up to one -J.
+    2. Every rank makes the same collective calls in the same order, whatever rows it holds. Only
+       train and the functions of section 6 call them, and the update calls one, sum_gradients. A
+       choice that must agree on all ranks reads only what all ranks hold alike, such as the
+       GroupTable.
+    3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
     5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
-       thought gets no answers. A step where no rank holds a row makes no optimizer step.
+       thought gets no answers. A step where no rank holds a row makes no update.
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
     device, (rank, W) = setup_ranks(), rank_and_world()
-    examples, test_examples = load_jsonl(cfg.data, cfg.prompts_per_step), load_jsonl(cfg.test_data)
+    P = cfg.prompts_per_step
+    examples, test_examples = load_jsonl(cfg.data, P), load_jsonl(cfg.test_data)
     check_prefix(cfg, examples + test_examples)
+    test_examples = test_examples[:cfg.eval_limit or None]
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
     bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
-    model, tokenizer, ref_model, optimizer, scheduler = load_run(cfg, device, checkpoint, state,
-                                                                 bf16)
+    model, tokenizer, ref_model, optimizer = load_run(cfg, device, checkpoint, state, bf16)
     print(f"grpo.py: {device}, weights {model.dtype}, autocast {'bf16' if bf16 else 'off'}")
-    evaluation = lambda step: log({"step": step, "eval": evaluate(
-        model, tokenizer, test_examples[:cfg.eval_limit or None], cfg, cfg.seed + 12345)})
     t0 = time.time()
     # matmuls in bf16 if on. No cast is cached, so none is stale after a step or lacks a graph.
     with torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
         if state is None:
-            evaluation(0)
+            log({"step": 0, "eval": evaluate(model, tokenizer, test_examples, cfg)})
         bar = tqdm(range(state["step"] if state else 0, cfg.steps), disable=rank != 0)
         for step in bar:  # counts from 0; the log and checkpoints count the steps done, step + 1
-            t_step, lr = time.perf_counter(), scheduler.get_last_lr()[0]
+            t_step = time.perf_counter()
+            # 1. This rank's rows. The step's seed draws the questions and seeds the sampling.
             seed = cfg.seed * 1_000_003 + step  # rule 3
-            rows, metrics = sample_rows(model, tokenizer, cfg, examples, seed)  # rows that train
-            rows = replace(rows, loss_weights=batch_weights(rows, cfg))  # rule 1
+            rng = random.Random(seed)
+            torch.manual_seed(seed * W + rank)  # each rank samples its own completions
+            if cfg.dynamic_sampling:
+                rows, metrics, table = dynamic_sampling(model, tokenizer, cfg, examples, rng)
+            else:  # draw P questions, take this rank's share, and roll it out
+                questions = rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
+                rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, questions)
+                table = GroupTable(*map(gather, group_table(rows, len(questions))))
+            # 2. Each token's weight, as a share of the batch on all ranks (rule 1), then λ's
+            rows = replace(rows, loss_weights=batch_weights(rows, cfg, table))
             rows, metrics["lambda_mean"] = lambda_rows(rows, cfg.lambda_weights)
+            # 3. The update, unless no rank holds a row (rule 5). lr warms up linearly.
+            lr = cfg.lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = lr
+            if table.rows.sum():
+                loss, update_metrics = update(model, ref_model, optimizer, rows, cfg)
+                metrics |= update_metrics | {"loss": gather(loss.view(1)).sum()}  # all ranks' -J
             metrics = mean_over_ranks(metrics)
-            metrics |= update(model, ref_model, optimizer, rows, cfg)
-            scheduler.step()
             bar.set_postfix_str(f"reward {metrics['reward']:.3f}")
             if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
                 show_group(tokenizer, rows, step + 1)
             log({"step": step + 1, "lr": lr, **metrics, "time/step": time.perf_counter() - t_step})
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                evaluation(step + 1)
+                log({"step": step + 1, "eval": evaluate(model, tokenizer, test_examples, cfg)})
             if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-                save_checkpoint(cfg, step + 1, model, tokenizer, optimizer, scheduler)
+                save_checkpoint(cfg, step + 1, model, tokenizer, optimizer)
     if W > 1:
         torch.distributed.destroy_process_group()
     return summary(cfg, time.time() - t0) if rank == 0 else None
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
+def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int | None = None) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
     samples a question at the training temperature. A chunk is --eval-batch-size rows. Chunk c is
-    seeded with seed + c and decoded by rank c % W. GRPO-MA's eval samples plain completions."""
+    seeded with seed + c, by default --seed + 12345, and decoded by rank c % W. GRPO-MA's eval
+    samples plain completions, each within the thought's and the answer's limits together."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
+    seed = cfg.seed + 12345 if seed is None else seed
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
     for rows, sampled in ((1, False), (n, True)):  # the greedy pass, then the sampled one
@@ -650,20 +748,20 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int) -> dict:
             for r in right if sampled else []:  # a question with r of its n samples right
                 pass_k = [p + 1 - math.comb(n - r, k) / math.comb(n, k)
                           for k, p in enumerate(pass_k, 1)]
-    greedy, *pass_k = all_reduce([greedy, *pass_k])
-    return {"greedy": greedy / len(examples)} | {
-        f"pass@{k}": total / len(examples) for k, total in enumerate(pass_k, 1)}
+    greedy, *pass_k = gather(torch.tensor([[greedy, *pass_k]], dtype=torch.float64)).sum(0)
+    return {"greedy": greedy.item() / len(examples)} | {
+        f"pass@{k}": total.item() / len(examples) for k, total in enumerate(pass_k, 1)}
 
 # 7. Plumbing: printing, flags, data, models, checkpoints, ranks. A first read may stop here.
 def show_group(tokenizer, rows: Rows, step: int):
-    """Print the rows that share the first row's context: reward, advantage, text."""
+    """Print the rows that share the first row's context: outcome, advantage and text."""
     shown = [i for i, context in enumerate(rows.contexts) if context == rows.contexts[0]]
     texts = decode(tokenizer, rows.completion_ids[shown], rows.completion_mask[shown])
     for i, text in zip(shown, texts):  # per-token advantages show as their mean where not 0
         a = rows.advantages[i].sum() / rows.advantages[i].count_nonzero().clamp(min=1)
         text = " ".join(text.split())
         text = text if len(text) <= 100 else f"{text[:30]} [...] {text[-64:]}"  # keep the answer
-        tqdm.write(f"step {step}  r {rows.rewards[i]:4.2f}  A {a:+5.2f}  {text}")
+        tqdm.write(f"step {step}  r {rows.outcomes[i]:4.2f}  A {a:+5.2f}  {text}")
 
 def summary(cfg, wall_s: float) -> dict:
     """Print the first eval against the last, both read from metrics.jsonl, and return them."""
@@ -792,7 +890,7 @@ def load_model(path: str, device, dtype=torch.float32):
     return model.to(device), tokenizer
 
 def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, bf16: bool):
-    """The policy, from the checkpoint if any; the reference if β > 0; AdamW and the schedule."""
+    """The policy, from the checkpoint if any; the reference if β > 0; AdamW."""
     model, tokenizer = load_model(str(checkpoint or cfg.model), device)  # in float32
     dtype = torch.bfloat16 if bf16 else torch.float32  # never trained: bf16 is enough
     ref_model = load_model(cfg.model, device, dtype)[0].requires_grad_(False) if cfg.beta else None
@@ -800,12 +898,9 @@ def load_run(cfg: Config, device, checkpoint: Path | None, state: dict | None, b
         model.activation_checkpointing_enable()  # transformers 5's gradient checkpointing
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warmup = lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     if state:
         optimizer.load_state_dict(state.pop("optimizer"))  # popped, so its copy is freed
-        scheduler.load_state_dict(state["scheduler"])
-    return model, tokenizer, ref_model, optimizer, scheduler
+    return model, tokenizer, ref_model, optimizer
 
 def open_run(cfg: Config):
     """The latest checkpoint, its state and log(). Its state.pt loads with weights_only, so no code
@@ -835,9 +930,9 @@ def open_run(cfg: Config):
     file.truncate(state["log_size"] if state else 0)
     return checkpoint, state, lambda record: (file.write(json.dumps(record) + "\n"), file.flush())
 
-def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """On rank 0, out/checkpoint-<step>: model, tokenizer, and state.pt with AdamW, the schedule,
-    the step and the log's size. It is written as .tmp, then renamed: a kill leaves a whole one."""
+def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer):
+    """On rank 0, out/checkpoint-<step>: model, tokenizer, and state.pt with AdamW, the step and
+    the log's size. It is written as .tmp, then renamed: a kill leaves a whole one."""
     out, final = Path(cfg.out), Path(cfg.out) / f"checkpoint-{step}"
     if rank_and_world()[0] == 0:
         tmp = final.with_suffix(".tmp")
@@ -846,12 +941,12 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         tokenizer.save_pretrained(tmp)
         (tmp / "flags.json").write_text(json.dumps(vars(cfg), indent=1))  # what a resume checks
         log_size = (out / "metrics.jsonl").stat().st_size
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "step": step, "log_size": log_size}, tmp / "state.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "step": step, "log_size": log_size},
+                   tmp / "state.pt")
         os.replace(tmp, final)
         for old in set(out.glob("checkpoint-*")) - {final}:
             shutil.rmtree(old)
-    all_reduce([0])  # a barrier: no rank runs on, or exits, while rank 0 writes
+    gather(torch.zeros(1))  # a barrier: no rank runs on, or exits, while rank 0 writes
 
 def setup_ranks() -> torch.device:
     """The device; under torchrun, join the process group: NCCL on GPUs, gloo on CPU."""
@@ -869,19 +964,23 @@ def rank_and_world() -> tuple[int, int]:
     dist = torch.distributed
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
-def all_reduce(values: list) -> list[float]:
-    """Sum numbers over the ranks; identity in one process. Every rank makes the same calls."""
-    values = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        values = values.to("cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
-        torch.distributed.all_reduce(values)
-    return values.tolist()
+def gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x, concatenated along dim 0 in rank order, on the CPU; x in one process. The
+    ranks' x may differ in length along dim 0. Every rank calls it, as every collective."""
+    if not torch.distributed.is_initialized():
+        return x
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(rank_and_world()[1])]
+    torch.distributed.all_gather(lengths, torch.tensor([len(x)], device=device))
+    padded = torch.zeros(max(lengths).item(), *x.shape[1:], dtype=x.dtype, device=device)
+    padded[:len(x)] = x  # all_gather wants one shape on all ranks
+    pieces = [torch.empty_like(padded) for _ in lengths]
+    torch.distributed.all_gather(pieces, padded)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, lengths)]).cpu()
 
 def mean_over_ranks(metrics: dict) -> dict:
-    """Each metric tensor -> the mean of its elements on all ranks, NaN if none, in one call."""
-    n, values = len(metrics), metrics.values()
-    sums = all_reduce([v.double().sum() for v in values] + [v.numel() for v in values])
-    return {k: sums[i] / sums[n + i] if sums[n + i] else math.nan for i, k in enumerate(metrics)}
+    """Each metric, a tensor of values on each rank -> the mean of all ranks' values, NaN if none."""
+    return {name: gather(values.flatten().double()).mean().item() for name, values in metrics.items()}
 
 def sum_gradients(model):
     """Sum the ranks' gradients, not their mean. Each w is a share of the whole batch (rule 1)."""

@@ -65,22 +65,40 @@ def tiny():
     return model, tokenizer
 
 
-def make_rows(contexts, completion_ids, completion_mask, advantages=None, loss_weights=None, rewards=None,
-              groups=None):
-    """grpo.Rows by keyword, the one place the tests build them by hand: unless given, advantages and rewards are
-    0, every row is of group 0 and part 0, sampled in its context, and the weights are dapo's over these rows."""
+def make_rows(contexts, completion_ids, completion_mask, advantages=None, loss_weights=None, outcomes=None,
+              questions=None):
+    """grpo.Rows by keyword, the one place the tests build them by hand: unless given, advantages and outcomes
+    are 0, every row is of question 0 and part 0, sampled in its context, and the weights are dapo's over these
+    rows."""
     B = len(completion_ids)
     zeros = torch.zeros(B, dtype=torch.long)
-    return grpo.Rows(contexts, completion_ids, completion_mask,
-                     torch.zeros(B) if advantages is None else advantages,
-                     torch.zeros(B) if rewards is None else rewards,
-                     zeros if groups is None else groups, zeros, zeros.bool(),
-                     grpo.aggregation_weights(completion_mask, "dapo") if loss_weights is None else loss_weights)
+    return grpo.Rows(contexts=contexts, completion_ids=completion_ids, completion_mask=completion_mask,
+                     advantages=torch.zeros(B) if advantages is None else advantages,
+                     outcomes=torch.zeros(B) if outcomes is None else outcomes,
+                     questions=zeros if questions is None else questions, parts=zeros, off_policy=zeros.bool(),
+                     loss_weights=grpo.aggregation_weights(completion_mask, "dapo") if loss_weights is None
+                     else loss_weights)
+
+
+def table_of(rows):
+    """The GroupTable of rows in one process, as the loop gathers it."""
+    return grpo.group_table(rows, int(rows.questions.max()) + 1 if len(rows.contexts) else 0)
 
 
 def weighed(rows, cfg):
     """Rows with the token weights the loop gives them (one process)."""
-    return grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg))
+    return grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg, table_of(rows)))
+
+
+def updated(model, ref, optimizer, rows, cfg):
+    """grpo.update's metrics as train logs them: each a mean over the ranks, and the loss -J, all ranks' parts."""
+    loss, metrics = grpo.update(model, ref, optimizer, rows, cfg)
+    return grpo.mean_over_ranks(metrics | {"loss": grpo.gather(loss.view(1)).sum()})
+
+
+def means(metrics):
+    """policy_loss's metrics, one value a token, as token means."""
+    return {name: values.mean().item() for name, values in metrics.items()}
 
 
 def encode(tok, texts):
@@ -105,7 +123,7 @@ def rows_of(answer, n):
 def samples_of(tok, texts, finished=True):
     """What generate returns for completion texts, as if sampled."""
     ids, mask = encode(tok, texts)
-    return grpo.Samples(ids, mask, torch.full((len(texts),), finished))
+    return grpo.Samples(completion_ids=ids, completion_mask=mask, finished=torch.full((len(texts),), finished))
 
 
 def hf_logps(model, rows, temperature):
@@ -184,7 +202,7 @@ def test_ratio_one_and_no_clipping_at_mu_one():
     logps = torch.randn(3, 5, requires_grad=True)
     adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5)
     loss, metrics = grpo.policy_loss(logps, logps.detach(), adv, mask, dapo(mask), epsilon=0.2)
-    assert metrics["clip_low"] == 0 and metrics["clip_high"] == 0
+    assert means(metrics) == {"clip_low": 0, "clip_high": 0}
     loss.backward()
     # ratio = 1, so d loss / d logp = -A / number of tokens (dapo)
     assert torch.allclose(logps.grad, -adv[:, None].expand(3, 5) / 15)
@@ -198,7 +216,7 @@ def test_epsilon_high_worked_numbers():
     mask = torch.ones(1, 2)
     loss, metrics = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2,
                                      epsilon_high=0.28)
-    assert loss.item() == pytest.approx(-(1.25 + 1.28) / 2, abs=1e-6) and metrics["clip_high"] == 0.5
+    assert loss.item() == pytest.approx(-(1.25 + 1.28) / 2, abs=1e-6) and metrics["clip_high"].tolist() == [0, 1]
     loss.backward()
     assert logps.grad.tolist()[0] == pytest.approx([-1.25 / 2, 0.0], abs=1e-6)
 
@@ -208,11 +226,11 @@ def test_clipping_and_clip_higher():
     logps = torch.log(torch.tensor([[0.7, 1.25, 1.35, 1.0]]))
     mask = torch.ones(1, 4)
     _, neg = grpo.policy_loss(logps, old, torch.tensor([-1.0]), mask, dapo(mask), epsilon=0.2)
-    assert neg["clip_low"] == 0.25 and neg["clip_high"] == 0  # 0.7 < 0.8 with A < 0
+    assert neg["clip_low"].tolist() == [1, 0, 0, 0] and means(neg)["clip_high"] == 0  # 0.7 < 0.8 with A < 0
     _, pos = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2)
-    assert pos["clip_high"] == 0.5  # 1.25 and 1.35 > 1.2 with A > 0
+    assert pos["clip_high"].tolist() == [0, 1, 1, 0]  # 1.25 and 1.35 > 1.2 with A > 0
     _, higher = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2, epsilon_high=0.28)
-    assert higher["clip_high"] == 0.25  # only 1.35 > 1.28
+    assert higher["clip_high"].tolist() == [0, 0, 1, 0]  # only 1.35 > 1.28
     loss, _ = grpo.policy_loss(logps, old, torch.tensor([1.0]), mask, dapo(mask), epsilon=0.2)
     assert loss.item() == pytest.approx(-(0.7 + 1.2 + 1.2 + 1.0) / 4, abs=1e-6)
 
@@ -221,12 +239,12 @@ def test_k3_kl_zero_at_reference_and_matches_formula():
     logps = torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
     zero, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), mask, dapo(mask), ref_per_token_logps=logps, beta=0.1)
-    assert zero.item() == 0 and m["kl"] == 0
+    assert zero.item() == 0 and m["kl"].tolist() == [0, 0]
     ref = torch.tensor([[-1.5, -1.0]])
     loss, m = grpo.policy_loss(logps, logps, torch.tensor([0.0]), mask, dapo(mask), ref_per_token_logps=ref, beta=0.1)
     d = ref - logps
     kl = (d.exp() - d - 1).mean().item()
-    assert m["kl"] == pytest.approx(kl) and loss.item() == pytest.approx(0.1 * kl)
+    assert m["kl"].mean().item() == pytest.approx(kl) and loss.item() == pytest.approx(0.1 * kl)
 
 
 def test_token_weights_scale_policy_and_kl_not_normaliser():
@@ -290,7 +308,7 @@ def test_update_works_one_grpo_step_by_hand(tiny):
         def zero_grad(self, set_to_none=True):
             model.zero_grad(set_to_none=set_to_none)
     optimizer = Capture()
-    metrics = grpo.update(model, None, optimizer, rows, grpo.Config(max_grad_norm=1e9))
+    metrics = updated(model, None, optimizer, rows, grpo.Config(max_grad_norm=1e9))
     assert metrics["loss"] == pytest.approx(-a / 7, abs=1e-6)
     for got, want in zip(optimizer.grads, expected):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
@@ -306,7 +324,7 @@ def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
     rows.advantages = A
     assert grpo.no_signal(A, torch.tensor([0, 1, 1]), 3).tolist() == [False, False, True]  # group 2 has no row
     assert grpo.no_signal(torch.zeros(0), torch.zeros(0, dtype=torch.long), 2).tolist() == [True, True]
-    loss = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config())["loss"]
+    loss = updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config())["loss"]
     assert loss == pytest.approx(-(A.sum() / rows.completion_mask.sum()).item(), abs=1e-6)
 
 # -----------------------------------------------------------------------------
@@ -954,7 +972,8 @@ def test_sampler_masks_up_to_and_including_eos_even_when_pad_is_eos(tiny):
     tok.pad_token = tok.eos_token
     model = scripted(tok, {"12+34=": "<answer>46</answer>", "1+1=": "<answer>2", "5+5=": "1" * 40})
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in ["12+34=", "1+1=", "5+5="]]
-    ids, mask, finished = grpo.generate(model, tok, prompts, 2, 32)
+    samples = grpo.generate(model, tok, prompts, 2, 32)
+    ids, mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
     n, m = (len(tok(t, add_special_tokens=False).input_ids) for t in ("<answer>46</answer>", "<answer>2"))
     assert mask.sum(1).tolist() == [n + 1, n + 1, m + 1, m + 1, 32, 32]  # EOS included; truncated: none
     assert finished.tolist() == [True, True, True, True, False, False]
@@ -966,7 +985,8 @@ def test_sampler_stops_at_the_token_that_completes_a_stop_string(tiny):
     model = scripted(tok, {"1+2=": "<think>1+2=3</think><answer>3</answer>", "3+4=": "<think>1+</think>x",
                            "5+6=": "<think>12"})
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in ["1+2=", "3+4=", "5+6="]]
-    _, mask, finished = grpo.generate(model, tok, prompts, 1, 16, stop_strings=["</think>"])
+    samples = grpo.generate(model, tok, prompts, 1, 16, stop_strings=["</think>"])
+    mask, finished = samples.completion_mask, samples.finished
     lengths = [len(tok(t, add_special_tokens=False).input_ids) for t in ["<think>1+2=3</think>", "<think>1+</think>",
                                                                         "<think>12"]]
     assert mask.sum(1).tolist() == [lengths[0], lengths[1], lengths[2] + 1]  # the last: its EOS
@@ -991,7 +1011,8 @@ def test_greedy_sampling_equals_hf_generate(tiny, qwen):
         model.eval()
         questions = ["12+34=", "what is 47 plus 38?", "add 5 to 7", "sum of 10 and 99"]
         prompts = [grpo.prompt_ids(tok, CFG, q) for q in questions]
-        ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 24, greedy=True)
+        samples = grpo.generate(model, tok, prompts, 1, 24, greedy=True)
+        ours, ours_mask = samples.completion_ids, samples.completion_mask
         ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
         config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=grpo.eos_ids(model, tok),
                                   pad_token_id=tok.pad_token_id)
@@ -1009,7 +1030,8 @@ def test_sampled_tokens_follow_softmax_of_logits_over_temperature(tiny, temperat
     prompt += tok("<think>7+8=15 c1 4+3+1=", add_special_tokens=False).input_ids
     N = 20000
     torch.manual_seed(0)
-    ids, _, _ = grpo.generate(model, tok, [prompt], N, 1, temperature=temperature)
+    samples = grpo.generate(model, tok, [prompt], N, 1, temperature=temperature)
+    ids = samples.completion_ids
     counts = torch.bincount(ids[:, 0], minlength=len(tok)).double()
     with torch.no_grad():
         probs = (model(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)
@@ -1026,7 +1048,7 @@ def test_sampling_is_in_eval_mode_even_with_dropout_and_gradient_checkpointing(t
     model, tok = tiny
     prompts = [grpo.prompt_ids(tok, CFG, q) for q in ["12+34=", "add 5 to 7"]]
     model.eval()
-    expected = grpo.generate(model, tok, prompts, 1, 32, greedy=True)[0]
+    expected = grpo.generate(model, tok, prompts, 1, 32, greedy=True).completion_ids
     noisy = __import__("copy").deepcopy(model)
     for module in noisy.modules():
         if hasattr(module, "attention_dropout"):
@@ -1035,7 +1057,7 @@ def test_sampling_is_in_eval_mode_even_with_dropout_and_gradient_checkpointing(t
     noisy.train()
     for seed in range(3):
         torch.manual_seed(seed)
-        assert torch.equal(grpo.generate(noisy, tok, prompts, 1, 32, greedy=True)[0], expected)
+        assert torch.equal(grpo.generate(noisy, tok, prompts, 1, 32, greedy=True).completion_ids, expected)
     assert noisy.training
 
 
@@ -1044,7 +1066,8 @@ def test_sampler_takes_prompts_of_one_token(tiny):
     model, tok = tiny
     model.eval()
     prompts = [[tok.convert_tokens_to_ids("<|assistant|>")], [tok.convert_tokens_to_ids("1")]]
-    ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 6, greedy=True)
+    samples = grpo.generate(model, tok, prompts, 1, 6, greedy=True)
+    ours, ours_mask = samples.completion_ids, samples.completion_mask
     ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=grpo.eos_ids(model, tok),
                               pad_token_id=tok.pad_token_id)
@@ -1121,7 +1144,7 @@ def test_no_position_of_the_update_sees_only_padding():
     rows.contexts = contexts
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     for mu in (1, 2):
-        assert math.isfinite(grpo.update(model, None, optimizer, rows, grpo.Config(num_iterations=mu))["grad_norm"])
+        assert math.isfinite(updated(model, None, optimizer, rows, grpo.Config(num_iterations=mu))["grad_norm"])
     ids, mask = grpo.pad_ids([c + [5, 6] for c in contexts], tok.pad_token_id)  # the layout of 5c86486
     with pytest.raises(AssertionError, match="sees only padding"):
         grpo.run_decoder(model, ids, mask)
@@ -1215,8 +1238,9 @@ MA_SCRIPTS = {"1+2=": "<think>a</think>" + "<answer>3</answer>", "2+2=": "<think
 
 def ma_rollout(tok, M, weighting="parts", loss_type="dapo", questions=("1+2=", "2+2="), K=2, **kw):
     """rollout_ma on a scripted model: every thought of a question is alike, and so are its answers."""
-    cfg = grpo.Config(variant="ma", num_thoughts=K, num_answers=M, max_new_tokens=8, max_answer_tokens=6,
-                      system_prompt="", ma_weighting=weighting, loss_type=loss_type, **kw)
+    cfg = grpo.Config(**{"variant": "ma", "num_thoughts": K, "num_answers": M, "max_new_tokens": 8,
+                         "max_answer_tokens": 6, "system_prompt": "", "ma_weighting": weighting,
+                         "loss_type": loss_type} | kw)
     batch = [{"question": q, "answer": str(2 * int(q[0]) + (q[0] == "1")), "rephrasings": []} for q in questions]
     rows, metrics = grpo.rollout_ma(scripted(tok, MA_SCRIPTS), tok, cfg, batch)
     return weighed(rows, cfg), metrics
@@ -1257,13 +1281,14 @@ def test_ma_rows_hold_the_tree(tiny):
     assert rows.contexts[:4] == [prompts[0]] * 2 + [prompts[1]] * 2
     assert rows.contexts[4:] == [prompts[0] + thought] * 4  # 2 closed thoughts x M = 2
     assert metrics["unclosed_thoughts"].tolist() == [False, False, True, True]
-    assert rows.rewards.tolist() == [1.0, 1.0, 0.0, 0.0] + [1.0] * 4  # a thought's reward is its V
+    assert rows.outcomes.tolist() == [1.0, 1.0, 0.0, 0.0] + [1.0] * 4  # a thought's outcome is its V
     assert metrics["frac_reward_zero_std"].tolist() == [True, True]  # the answers are alike; question 2 has none
 
 
 def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
     """As TRL: the rows made times the longest completion allowed. Half the thoughts unclosed (3+3=): 4 thoughts,
-    limit 8; 2 · M answers, limit 6; pooled, 4 + 2M rows and the thoughts' limit, 8."""
+    limit 8; 2 · M answers, limit 6. Pooled by --ma-weighting tokens: 4 + 2M rows and the longer of the two
+    limits, the thoughts' 8, or the answers' 10 when they may have 10 tokens."""
     tok = tiny[1]
     rows, _ = ma_rollout(tok, 2, "parts", "dr_grpo", questions=("1+2=", "3+3="))
     thoughts = torch.arange(len(rows.contexts)) < 4
@@ -1271,6 +1296,8 @@ def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
     assert torch.allclose(rows.loss_weights[~thoughts], rows.completion_mask[~thoughts] / (4 * 6))
     rows, _ = ma_rollout(tok, 2, "tokens", "dr_grpo", questions=("1+2=", "3+3="))
     assert torch.allclose(rows.loss_weights, rows.completion_mask / (8 * 8))
+    rows, _ = ma_rollout(tok, 2, "tokens", "dr_grpo", questions=("1+2=", "3+3="), max_answer_tokens=10)
+    assert torch.allclose(rows.loss_weights, rows.completion_mask / (8 * 10))
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
@@ -1284,7 +1311,7 @@ def test_micro_batches_add_up_to_the_whole_batch(tiny, loss_type):
     for size in (100, 1):
         cfg = grpo.Config(micro_batch_size=size, max_grad_norm=1e9)
         model.zero_grad()
-        metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
+        metrics = updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
         results.append(metrics)
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
     assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-4)
@@ -1303,7 +1330,7 @@ def test_lambda_update_divides_each_token_term_by_lambda(tiny):
     for per_token in (inv_lambda, mask):
         rows = make_rows([prompt] * 4, ids, mask, advantages, mask / tokens * per_token)
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
-        loss = grpo.update(model, None, sgd, rows, grpo.Config())["loss"]
+        loss = updated(model, None, sgd, rows, grpo.Config())["loss"]
         assert loss == pytest.approx(-(per_token * advantages[:, None]).sum().item() / tokens, abs=1e-6)
 
 
@@ -1365,9 +1392,9 @@ def kept_by_hand(draws, P):
     keeps, stayed = [], 0
     for rows in draws:
         keep = torch.zeros(len(rows.contexts), dtype=torch.bool)
-        for q in sorted(set(rows.groups.tolist())):
-            parts = [(rows.groups == q) & (rows.parts == p) for p in (0, 1)]
-            signal = [len(set(rows.rewards[part].tolist())) > 1 for part in parts]
+        for q in sorted(set(rows.questions.tolist())):
+            parts = [(rows.questions == q) & (rows.parts == p) for p in (0, 1)]
+            signal = [len(set(rows.outcomes[part].tolist())) > 1 for part in parts]
             if any(signal) and stayed < P:
                 stayed += 1
                 keep |= (parts[0] & signal[0]) | (parts[1] & signal[1])
@@ -1378,12 +1405,14 @@ def kept_by_hand(draws, P):
 def weights_by_hand(rows, cfg):
     """Each kept row's token weights, written out per part of J (GRPO-MA's answers are part 1 unless
     --ma-weighting tokens pools them): dapo 1 / (the part's tokens), grpo 1 / (the part's rows · |o_i|), dr_grpo
-    1 / (the part's rows · its length limit)."""
-    parts = rows.parts if cfg.ma_weighting == "parts" else 0 * rows.parts
+    1 / (the part's rows · its length limit; pooled, the longer limit)."""
+    pooled = cfg.ma_weighting == "tokens"
+    parts = 0 * rows.parts if pooled else rows.parts
     weights = torch.zeros(rows.completion_mask.shape)
     for i, p in enumerate(parts.tolist()):
         n, tokens = int((parts == p).sum()), rows.completion_mask[parts == p].sum()
-        limit = [cfg.max_new_tokens, cfg.max_answer_tokens][p]
+        limit = max(cfg.max_new_tokens, cfg.max_answer_tokens) if pooled else [cfg.max_new_tokens,
+                                                                               cfg.max_answer_tokens][p]
         divisor = {"dapo": tokens, "grpo": n * rows.completion_mask[i].sum(), "dr_grpo": n * limit}[cfg.loss_type]
         weights[i] = rows.completion_mask[i] / divisor
     return weights
@@ -1391,7 +1420,7 @@ def weights_by_hand(rows, cfg):
 
 def unpadded(rows, i):
     n = int(rows.completion_mask[i].sum())
-    return rows.contexts[i], rows.completion_ids[i, :n].tolist(), rows.advantages[i].item(), rows.rewards[i].item()
+    return rows.contexts[i], rows.completion_ids[i, :n].tolist(), rows.advantages[i].item(), rows.outcomes[i].item()
 
 
 @pytest.mark.parametrize("variant,weighting,loss_type", [("grpo", "parts", "dapo"), ("ta", "parts", "grpo"),
@@ -1399,46 +1428,90 @@ def unpadded(rows, i):
 def test_dynamic_sampling_keeps_and_weighs_what_a_recomputation_over_the_kept_groups_gives(
         tiny, monkeypatch, variant, weighting, loss_type):
     """--dynamic-sampling on real samples of the tiny model (G = 2, so many groups have equal rewards): the rows
-    kept, their order and the share dropped equal kept_by_hand over every draw's rows; the token weights equal
-    weights_by_hand over the kept rows only; update in micro-batches of 3 gives -Σ w A (μ = 1)."""
+    kept, their order and the share dropped equal kept_by_hand over every draw's rows; the table counts the kept
+    rows and tokens of each part; the token weights equal weights_by_hand over the kept rows only; update in
+    micro-batches of 3 gives -Σ w A (μ = 1)."""
     model, tok = tiny
     draws = record_draws(monkeypatch, variant)
     cfg = grpo.Config(variant=variant, dynamic_sampling=True, prompts_per_step=4, num_generations=2,
                       num_thoughts=2, num_answers=2, num_rephrasings=1, max_answer_tokens=12,
                       ma_weighting=weighting, loss_type=loss_type, micro_batch_size=3)
-    rows, metrics = grpo.sample_rows(model, tok, cfg, grpo.load_jsonl(HERE / "data" / "train.jsonl"), 0)
+    torch.manual_seed(0)
+    examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")
+    rows, metrics, table = grpo.dynamic_sampling(model, tok, cfg, examples, random.Random(0))
     keeps = kept_by_hand(draws, 4)
     kept = [unpadded(d, i) for d, keep in zip(draws, keeps) for i in keep.nonzero().flatten().tolist()]
     assert [unpadded(rows, i) for i in range(len(rows.contexts))] == kept
     assert len(draws) > 1 and 0 < len(kept) < sum(len(d.contexts) for d in draws)  # the case: groups dropped
     assert torch.equal(metrics["frac_dropped"], ~torch.cat(keeps)) and metrics["prompts_drawn"] == 4 * len(draws)
+    assert table.rows.shape == (4 * len(draws), 2) and table.signal.any(1).sum() == 4  # P questions kept
+    for p in (0, 1):
+        assert table.rows[:, p].sum() == (rows.parts == p).sum()
+        assert table.tokens[:, p].sum() == rows.completion_mask[rows.parts == p].sum()
     if variant == "ma":  # a question may keep one part and drop the other
-        split = [k[(d.groups == q) & (d.parts == 0)].any() != k[(d.groups == q) & (d.parts == 1)].any()
-                 for d, k in zip(draws, keeps) for q in d.groups.tolist()]
+        split = [k[(d.questions == q) & (d.parts == 0)].any() != k[(d.questions == q) & (d.parts == 1)].any()
+                 for d, k in zip(draws, keeps) for q in d.questions.tolist()]
         assert any(split)
-    weights = grpo.batch_weights(rows, cfg)
+    weights = grpo.batch_weights(rows, cfg, table)
     assert torch.allclose(weights, weights_by_hand(rows, cfg))
     rows = grpo.replace(rows, loss_weights=weights)
-    loss = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)["loss"]
+    loss = updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)["loss"]
     assert loss == pytest.approx(-(weights * rows.advantages[:, None]).sum().item(), abs=1e-6)
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("variant", ["grpo", "ma"])
-def test_without_dynamic_sampling_a_step_draws_and_keeps_what_it_did_before(tiny, variant):
-    """The step's draw as train made it before sample_rows existed: random.Random(seed).sample(examples, P), the
-    sampling seeded with the step's seed, every row kept, so a run without the flag repeats its numbers."""
-    model, tok = tiny
-    cfg = grpo.Config(variant=variant, prompts_per_step=4, num_thoughts=2, num_answers=2, max_answer_tokens=12)
+def test_keep_groups_chooses_alike_on_every_rank_over_draws_worked_by_hand():
+    """Dynamic sampling's choice, a pure function of the gathered signal: P = 4 over two ranks, each holding two
+    questions of a draw, GRPO-MA's two parts. Draw 1 (room 4): questions 1 and 3 have a group with signal, so
+    both stay, each with its groups of signal. Draw 2 (room 2): questions 0, 1 and 3 have one; the first two stay.
+    Rank 1 holds questions 2 and 3 of each draw: its rows keep what their question and part keep."""
+    draw1 = torch.tensor([[0, 0], [1, 0], [0, 0], [1, 1]])
+    keep1 = grpo.keep_groups(draw1, 4)
+    assert keep1.tolist() == [[False, False], [True, False], [False, False], [True, True]]
+    draw2 = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0]])
+    keep2 = grpo.keep_groups(draw2, 4 - int(keep1.any(1).sum()))
+    assert keep2.tolist() == [[False, True], [True, True], [False, False], [False, False]]
+    questions, parts = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0, 0, 1, 1])  # rank 1's rows of a draw
+    share = slice(2, 4)
+    assert keep1[share][questions, parts].tolist() == [False, False, True, True, True]
+    assert keep2[share][questions, parts].tolist() == [False] * 5  # rank 1 keeps nothing of draw 2
+    assert grpo.keep_groups(draw1, 1).tolist() == [[False, False], [True, False], [False, False], [False, False]]
+    assert not grpo.keep_groups(draw1, 0).any() and not grpo.keep_groups(torch.zeros(0, 2), 4).any()
+
+
+def test_batch_weights_count_every_ranks_rows_from_the_table():
+    """Rule 1 from the tables alone: rank 0 holds 3 rows of 2 + 3 + 1 tokens, rank 1 (its table beside) 2 rows of
+    4 + 4 tokens. The gathered table gives rank 0 the whole batch's counts: dapo 1/14, grpo 1/(5 · |o_i|),
+    dr_grpo 1/(5 · 32)."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    rows = make_rows([[1]] * 3, torch.ones(3, 3, dtype=torch.long), mask, questions=torch.tensor([0, 0, 1]))
+    mine = table_of(rows)
+    theirs = grpo.GroupTable(rows=torch.tensor([[2, 0]]), tokens=torch.tensor([[8, 0]]), signal=torch.tensor([[1, 0]]))
+    table = grpo.GroupTable(*(torch.cat(pair) for pair in zip(mine, theirs)))
+    assert mine.rows.tolist() == [[2, 0], [1, 0]] and mine.tokens.tolist() == [[5, 0], [1, 0]]
+    for loss_type, expected in [("dapo", mask / 14), ("grpo", mask / (5 * mask.sum(1, keepdim=True))),
+                                ("dr_grpo", mask / (5 * 32))]:
+        assert torch.allclose(grpo.batch_weights(rows, grpo.Config(loss_type=loss_type), table), expected)
+
+
+def test_a_run_without_dynamic_sampling_draws_each_step_from_its_seed(tmp_path, monkeypatch):
+    """Rule 3 on the plain path: step s rolls out random.Random(seed · 1_000_003 + s).sample(examples, P), after
+    torch.manual_seed of that seed, and trains every row: no group is dropped and no metric of dynamic sampling
+    is logged."""
+    seen, rollout = [], grpo.ROLLOUTS["grpo"]
+
+    def recording(model, tokenizer, cfg, batch):
+        seen.append((batch, torch.random.get_rng_state()))
+        return rollout(model, tokenizer, cfg, batch)
+    monkeypatch.setitem(grpo.ROLLOUTS, "grpo", recording)
+    grpo.main(SMALL + ["--out", str(tmp_path / "run"), "--steps", "2", "--seed", "3"])
     examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")
-    torch.manual_seed(7)
-    before, before_metrics = grpo.ROLLOUTS[variant](model, tok, cfg, random.Random(7).sample(examples, 4))
-    rows, metrics = grpo.sample_rows(model, tok, cfg, examples, 7)
-    for name in ("contexts", "completion_ids", "completion_mask", "advantages", "rewards", "groups", "parts"):
-        assert (torch.equal if name != "contexts" else list.__eq__)(getattr(rows, name), getattr(before, name))
-    assert metrics.pop("prompts_drawn") == 4 and not metrics.pop("frac_dropped").any()
-    assert metrics.keys() == before_metrics.keys()
-    assert all(torch.equal(metrics[k], before_metrics[k]) for k in before_metrics)
+    for step, (batch, state) in enumerate(seen):
+        seed = 3 * 1_000_003 + step
+        assert batch == random.Random(seed).sample(examples, 2)
+        assert torch.equal(state, torch.manual_seed(seed).get_state())
+    steps = [l for l in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in l]
+    assert len(seen) == 2 and not any("frac_dropped" in l or "prompts_drawn" in l for l in steps)
 
 
 def test_rewards_equal_within_float_rounding_are_one_answer():
@@ -1452,27 +1525,32 @@ def test_rewards_equal_within_float_rounding_are_one_answer():
 
 
 @pytest.mark.parametrize("variant", ["grpo", "ma", "ta"])
-def test_a_rank_with_no_rows_goes_through_every_stage_and_a_batch_of_none_makes_no_step(tiny, variant):
-    """Rule 5: a rollout of no questions, its weights, λ and the update, as a rank that keeps nothing meets them.
-    With no row on any rank the update takes no optimizer step: the weights and AdamW's state stay as they were."""
+def test_a_rank_with_no_rows_goes_through_every_stage(tiny, variant):
+    """Rule 5: a rollout of no questions, its table, its weights, λ and the update, as a rank that keeps nothing
+    meets them while another rank trains. The update has no micro-batch: its metrics are empty but grad_norm,
+    and in one process (where no rank sums a gradient into it) the weights and AdamW's state stay as they were."""
     model, tok = tiny
     cfg = grpo.Config(variant=variant, beta=0.04, num_iterations=2)
     rows, metrics = grpo.ROLLOUTS[variant](model, tok, cfg, [])
     assert rows.completion_ids.shape[0] == 0 and all(v.numel() == 0 for v in metrics.values())
     assert all(math.isnan(v) for v in grpo.mean_over_ranks(metrics).values())
-    rows, sizes = grpo.lambda_rows(weighed(rows, cfg), True)
+    table = grpo.group_table(rows, 0)
+    assert all(field.shape == (0, 2) for field in table)
+    rows = grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg, table))
+    rows, sizes = grpo.lambda_rows(rows, True)
     assert rows.loss_weights.shape[0] == 0 and sizes.numel() == 0
     start = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters())
-    metrics = grpo.update(model, model, optimizer, rows, cfg)
-    assert sorted(metrics) == ["clip_high", "clip_low", "grad_norm", "kl", "loss"]
-    assert all(math.isnan(v) for v in metrics.values()) and not optimizer.state
-    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    loss, metrics = grpo.update(model, model, optimizer, rows, cfg)
+    assert loss == 0 and sorted(metrics) == ["clip_high", "clip_low", "grad_norm", "kl"]
+    assert metrics["grad_norm"].tolist() == [0, 0] and all(metrics[k].numel() == 0 for k in ("clip_low", "kl"))
+    assert not optimizer.state and all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
 def test_max_gen_batches_and_the_data_bound_the_draws_and_a_step_that_keeps_nothing_keeps_the_weights(tmp_path):
     """A reward that is always 0 leaves no group a signal: a step draws --max-gen-batches batches of P questions,
-    or as many as the data holds (5 questions, P = 2: two), drops every row and leaves the weights as they were."""
+    or as many as the data holds (5 questions, P = 2: two), drops every row, makes no update (its line has no
+    loss) and leaves the weights as they were."""
     zero = write(tmp_path, "zero.py", "def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
     lines = (HERE / "data" / "train.jsonl").read_text().splitlines()
     five = write(tmp_path, "five.jsonl", "\n".join(lines[:5]) + "\n")
@@ -1482,7 +1560,8 @@ def test_max_gen_batches_and_the_data_bound_the_draws_and_a_step_that_keeps_noth
         grpo.main(SMALL + ["--out", str(out), "--steps", "1", "--dynamic-sampling", "--reward-fn", f"{zero}:zero",
                            *flags])
         step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()][1]
-        assert step["prompts_drawn"] == drawn and step["frac_dropped"] == 1.0 and math.isnan(step["loss"])
+        assert step["prompts_drawn"] == drawn and step["frac_dropped"] == 1.0
+        assert not {"loss", "grad_norm", "clip_low"} & step.keys() and step["lr"] > 0
         start, after = load_file(TINY / "model.safetensors"), load_file(out / "checkpoint-1" / "model.safetensors")
         assert all(torch.equal(start[k], after[k]) for k in start)
 
@@ -1537,7 +1616,7 @@ def test_ta_advantages_pool_each_question_with_its_rephrasings(tiny, scale):
 def test_grpo_rows_carry_their_groups_normalised_rewards(tiny, scale):
     model, tok = tiny
     rows = rollout_rows("grpo", model, tok, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:6], scale_rewards=scale)
-    r = rows.rewards.view(6, 3)
+    r = rows.outcomes.view(6, 3)
     assert (r.amax(1) > r.amin(1)).any()  # some group has a signal
     expected = r - r.mean(1, keepdim=True)
     if scale == "group":
@@ -1546,7 +1625,7 @@ def test_grpo_rows_carry_their_groups_normalised_rewards(tiny, scale):
     texts = grpo.decode(tok, rows.completion_ids, rows.completion_mask)
     answers = [ex["answer"] for ex in grpo.load_jsonl(HERE / "data" / "train.jsonl")[:6] for _ in range(3)]
     finished = rows.completion_ids.gather(1, rows.completion_mask.sum(1, keepdim=True) - 1)[:, 0] == tok.eos_token_id
-    assert rows.rewards.tolist() == [grpo.score(t, a, bool(f)) for t, a, f in zip(texts, answers, finished)]
+    assert rows.outcomes.tolist() == [grpo.score(t, a, bool(f)) for t, a, f in zip(texts, answers, finished)]
 
 
 def test_second_pass_of_a_reused_batch_takes_the_ratio_to_the_old_policy(tiny):
@@ -1569,7 +1648,7 @@ def test_second_pass_of_a_reused_batch_takes_the_ratio_to_the_old_policy(tiny):
     first = -A[on].mean().item()
     second = -torch.min(ratio * A, ratio.clamp(0.98, 1.02) * A)[on].mean().item()
     policy = copy.deepcopy(model)
-    metrics = grpo.update(policy, None, sgd(policy), rows, config(2))
+    metrics = updated(policy, None, sgd(policy), rows, config(2))
     assert low > 0 and high > 0, (low, high)
     assert metrics["clip_low"] == pytest.approx(low / 2, rel=1e-4) and metrics["clip_high"] == pytest.approx(high / 2, rel=1e-4)
     assert metrics["loss"] == pytest.approx((first + second) / 2, rel=1e-4)
@@ -1588,7 +1667,7 @@ def test_kl_is_to_the_reference_model_at_the_sampling_temperature(tiny):
         delta = hf_logps(ref, rows, 0.7) - hf_logps(model, rows, 0.7)
     kl = (delta.exp() - delta - 1)[rows.completion_mask.bool()].mean().item()
     cfg = grpo.Config(beta=0.1, temperature=0.7)
-    metrics = grpo.update(model, ref, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
+    metrics = updated(model, ref, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
     assert kl > 0.01 and metrics["kl"] == pytest.approx(kl, rel=1e-4)
     assert metrics["loss"] == pytest.approx(0.1 * kl, rel=1e-4)
 
@@ -2431,13 +2510,13 @@ def test_mechanism_real_table_times_sampling_and_counts_tokens(tmp_path):
     inside time/step. The tokens it counts agree with what grpo.py logs: completion_length × the rows sampled
     (prompts_drawn × G), fewer trained only where rows were dropped. Under ma every thought and answer trains,
     so more tokens than the answers' alone. grpo.py's functions are its own again after each run."""
-    sample_rows, rollouts = grpo.sample_rows, dict(grpo.ROLLOUTS)
+    batch_weights, rollouts = grpo.batch_weights, dict(grpo.ROLLOUTS)
     base = ["--prompts-per-step", "4", "--eval-limit", "8", "--eval-samples", "4", "--eval-every", "0",
             "--save-every", "0"]
     runs = {"GRPO G=16": ["--num-generations", "4"], "ma": ["--variant", "ma", "--num-answers", "2"],
             "ds": ["--num-generations", "4", "--dynamic-sampling", "--max-gen-batches", "2"]}
     out = mechanisms.real_experiments(1, 2, base, runs, tmp_path)
-    assert grpo.sample_rows is sample_rows and grpo.ROLLOUTS == rollouts
+    assert grpo.batch_weights is batch_weights and grpo.ROLLOUTS == rollouts
     for name, [(steps, evals)] in out.items():
         assert [r["step"] for r in steps] == [1, 2] and len(evals) == 2
         for r in steps:
@@ -2446,8 +2525,8 @@ def test_mechanism_real_table_times_sampling_and_counts_tokens(tmp_path):
                 answer_tokens = r["completion_length"] * 4 * 4 * (1 - r["unclosed_thoughts"]) * 2
                 assert r["sampled"] == r["trained"] > answer_tokens + 0.5
             else:
-                assert r["sampled"] == pytest.approx(r["completion_length"] * r["prompts_drawn"] * 4)
-                assert (r["trained"] < r["sampled"]) == (r["frac_dropped"] > 0)
+                assert r["sampled"] == pytest.approx(r["completion_length"] * r.get("prompts_drawn", 4) * 4)
+                assert (r["trained"] < r["sampled"]) == (r.get("frac_dropped", 0) > 0)
     ma = out["ma"][0][0]
     table = mechanisms.real_tables(out)
     ratio = statistics.median(r["time/step"] for r in ma) / statistics.median(
@@ -2573,7 +2652,7 @@ def test_ma_rows_carry_thought_and_answer_advantages(tiny, scale):
     thought_adv, answer_adv, values = ma_dense(rewards.view(P, K, M), scale)
     assert torch.allclose(rows.advantages[:P * K], thought_adv.reshape(-1))
     assert torch.allclose(rows.advantages[P * K:], answer_adv.reshape(-1, M)[closed].reshape(-1))
-    assert torch.allclose(rows.rewards, torch.cat([values.reshape(-1), rewards.reshape(-1, M)[closed].reshape(-1)]))
+    assert torch.allclose(rows.outcomes, torch.cat([values.reshape(-1), rewards.reshape(-1, M)[closed].reshape(-1)]))
 
 
 def test_ma_thought_advantage_variance_falls_as_one_over_m_with_a_floor_in_k():
@@ -2736,7 +2815,8 @@ def test_eos_stays_in_the_mask_when_pad_is_eos(pad_is_eos_model):
         model.get_output_embeddings().weight[tok.eos_token_id] *= 0
         model.get_output_embeddings().weight[tok.eos_token_id] += model.get_output_embeddings().weight.mean(0) + 0.05
     torch.manual_seed(0)
-    ids, mask, finished = grpo.generate(model, tok, [grpo.prompt_ids(tok, PLAIN, "12+34=")], 64, 12)
+    samples = grpo.generate(model, tok, [grpo.prompt_ids(tok, PLAIN, "12+34=")], 64, 12)
+    ids, mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
     assert 0 < finished.sum() < 64
     for row, m, f in zip(ids, mask, finished):
         n = int(m.sum())
@@ -2801,8 +2881,9 @@ def test_real_eos_list_ends_completions_and_stays_in_the_mask(qwen):
     im_end, end_of_text = QWEN_EOS  # pad == <|endoftext|>
     model = scripted(tok, {"1+1=": "<answer>2</answer><|im_end|>", "2+2=": "<answer>4</answer><|endoftext|>",
                            "3+3=": "<answer>6</answer>" * 5}, eos=QWEN_EOS)
-    ids, mask, finished = grpo.generate(model, tok, [grpo.prompt_ids(tok, PLAIN, q) for q in ["1+1=", "2+2=", "3+3="]],
+    samples = grpo.generate(model, tok, [grpo.prompt_ids(tok, PLAIN, q) for q in ["1+1=", "2+2=", "3+3="]],
                                         1, 12)
+    ids, mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
     n = len(tok("<answer>2</answer>", add_special_tokens=False).input_ids)
     assert mask.sum(1).tolist() == [n + 1, n + 1, 12] and finished.tolist() == [True, True, False]
     assert [ids[0, n].item(), ids[1, n].item()] == [im_end, end_of_text]
@@ -2824,7 +2905,8 @@ def test_real_stop_string_ends_mid_token(qwen25_scripted):
     """Qwen2.5: '</think><answer>' ends the thought on the token '><', '</think>\\n\\n' on '>\\n\\n'."""
     tok, model = qwen25_scripted
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QWEN25_THOUGHTS]
-    ids, mask, finished = grpo.generate(model, tok, prompts, 2, 30, stop_strings=["</think>"])
+    samples = grpo.generate(model, tok, prompts, 2, 30, stop_strings=["</think>"])
+    ids, mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
     assert not finished.any()
     for i in range(4):
         thought, _, last = list(QWEN25_THOUGHTS.values())[i // 2]
@@ -2833,7 +2915,8 @@ def test_real_stop_string_ends_mid_token(qwen25_scripted):
         assert "</think>" not in tok.decode(kept[:-1])
     # the answers continue each prompt + thought, after the token that closed it
     contexts = [prompts[i // 2] + ids[i][mask[i].bool()].tolist() for i in range(4)]
-    answer_ids, answer_mask, answer_finished = grpo.generate(model, tok, contexts, 1, 12)
+    samples = grpo.generate(model, tok, contexts, 1, 12)
+    answer_ids, answer_mask, answer_finished = samples.completion_ids, samples.completion_mask, samples.finished
     texts = grpo.decode(tok, answer_ids, answer_mask)
     assert texts == ["answer>3</answer>"] * 2 + ["<answer>8</answer>"] * 2 and answer_finished.all()
 
@@ -2916,7 +2999,7 @@ def test_a_run_shows_its_answers_and_truncations_on_a_real_tokenizer(tmp_path):
     cfg = grpo.Config(system_prompt="", reward_fn=LAST_NUMBER[1], max_new_tokens=n + 1, num_generations=2)
     rows, metrics = grpo.rollout_grpo(model, tok, cfg, [{"question": q, "answer": "120", "rephrasings": []}
                                                         for q in ("Josh?", "Long?")])
-    assert metrics["frac_truncated"].tolist() == [False, False, True, True] and rows.rewards.tolist() == [1, 1, 0, 0]
+    assert metrics["frac_truncated"].tolist() == [False, False, True, True] and rows.outcomes.tolist() == [1, 1, 0, 0]
     lines = []
     grpo.tqdm.write, write = lines.append, grpo.tqdm.write
     try:
@@ -3026,7 +3109,8 @@ def test_real_model_greedy_sampling_equals_hf_generate(smol):
     model, tok = smol
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QUESTIONS]
     assert len(set(map(len, prompts))) > 1
-    ours, ours_mask, finished = grpo.generate(model, tok, prompts, 1, 20, greedy=True)
+    samples = grpo.generate(model, tok, prompts, 1, 20, greedy=True)
+    ours, ours_mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
     ids, mask = grpo.pad_ids(prompts, tok.pad_token_id)
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=[IM_END], pad_token_id=IM_END)
     theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
@@ -3051,7 +3135,8 @@ def test_real_model_logps_equal_hf_forward_on_ma_rows_and_on_a_grpo_batch(smol):
     ids, mask = encode(tok, thoughts + answers)
     ma = make_rows(contexts, ids, mask)
     torch.manual_seed(0)
-    ids, mask, _ = grpo.generate(model, tok, prompts, 3, 12)
+    samples = grpo.generate(model, tok, prompts, 3, 12)
+    ids, mask = samples.completion_ids, samples.completion_mask
     plain = make_rows([prompts[i // 3] for i in range(6)], ids, mask)
     for rows in (ma, plain):
         logps = grpo.completion_logps(model, rows.contexts, rows.completion_ids, rows.completion_mask, 0.7)
@@ -3222,7 +3307,8 @@ def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
     from transformers import GenerationConfig
     model, tok = grpo.load_model(str(qwen05b), torch.device("cuda"))
     prompts = [grpo.prompt_ids(tok, PLAIN, q) for q in QUESTIONS * 2]
-    ours, ours_mask, _ = grpo.generate(model, tok, prompts, 1, 48, greedy=True)
+    samples = grpo.generate(model, tok, prompts, 1, 48, greedy=True)
+    ours, ours_mask = samples.completion_ids, samples.completion_mask
     ids, mask = (x.cuda() for x in grpo.pad_ids(prompts, tok.pad_token_id))
     config = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=grpo.eos_ids(model, tok),
                               pad_token_id=tok.pad_token_id)
@@ -3356,7 +3442,8 @@ def ddp_case(loss_type, cache={}):
         train = grpo.load_jsonl(HERE / "data" / "train.jsonl")[:8]
         prompts = [grpo.prompt_ids(tok, CFG, row["question"]) for row in train]
         torch.manual_seed(0)
-        ids, mask, _ = grpo.generate(model, tok, prompts, 4, 32)
+        samples = grpo.generate(model, tok, prompts, 4, 32)
+        ids, mask = samples.completion_ids, samples.completion_mask
         advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
         cache.update(model=model, rows=make_rows([prompts[i // 4] for i in range(32)], ids, mask, advantages))
     model, ref = copy.deepcopy(cache["model"]), copy.deepcopy(cache["model"]).eval()
@@ -3367,8 +3454,10 @@ def ddp_case(loss_type, cache={}):
 
 def share(rows, rank, world, loss_type):
     """This rank's half of the rows, weighted by batch_weights: with the counts of all ranks."""
-    mine = torch.arange(32) // (32 // world) == rank
-    return weighed(grpo.cat_rows([rows], [mine]), grpo.Config(loss_type=loss_type, max_new_tokens=32))
+    mine = grpo.select_rows(rows, torch.arange(32).view(world, -1)[rank])
+    table = grpo.GroupTable(*map(grpo.gather, table_of(mine)))  # every rank's counts
+    return grpo.replace(mine, loss_weights=grpo.batch_weights(mine, grpo.Config(loss_type=loss_type,
+                                                                                max_new_tokens=32), table))
 
 
 # Scripted answers per question (the tiny tokenizer), so that samples do not depend on the random stream: rank 0
@@ -3412,8 +3501,9 @@ def generate_each(model, tok, prompts, n, *args, **kwargs):
         return GENERATE(model, tok, [], n, *args, **kwargs)
     C = max(s.completion_ids.shape[1] for s in each)
     pad = lambda x, value: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=value)
-    return grpo.Samples(torch.cat([pad(s.completion_ids, tok.pad_token_id) for s in each]),
-                        torch.cat([pad(s.completion_mask, 0) for s in each]), torch.cat([s.finished for s in each]))
+    return grpo.Samples(completion_ids=torch.cat([pad(s.completion_ids, tok.pad_token_id) for s in each]),
+                        completion_mask=torch.cat([pad(s.completion_mask, 0) for s in each]),
+                        finished=torch.cat([s.finished for s in each]))
 
 
 BY_ANSWER = '''
@@ -3465,7 +3555,7 @@ def ddp_worker(rank, world, port, out, ds_cfg):
     for loss_type in DDP_LOSS_TYPES:
         model, ref, rows, cfg, opt = ddp_case(loss_type)
         mine = share(rows, rank, world, loss_type)
-        result[loss_type] = model.state_dict(), grpo.update(model, ref, opt, mine, cfg), mine.loss_weights
+        result[loss_type] = model.state_dict(), updated(model, ref, opt, mine, cfg), mine.loss_weights
     if rank == 0:
         torch.save(result, f"{out}/result.pt")
     torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
@@ -3506,7 +3596,7 @@ def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path, monkeypatc
         rows.loss_weights = grpo.aggregation_weights(rows.completion_mask, loss_type, max_completion_length=32)
         assert torch.allclose(two[loss_type][2], rows.loss_weights[:16])  # rank 0's share, with global counts
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        metrics = grpo.update(model, ref, opt, rows, cfg)
+        metrics = updated(model, ref, opt, rows, cfg)
         ddp_state, ddp_metrics, _ = two[loss_type]
         assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
         for k, v in model.state_dict().items():
@@ -3519,9 +3609,9 @@ def test_two_gloo_processes_train_log_and_evaluate_like_one(tmp_path, monkeypatc
     grpo.train(grpo.replace(ds_cfg, out=str(tmp_path / "one")))
     logs = [[json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
             for run in ("ranks", "one")]
-    steps = [l for l in logs[0] if "loss" in l]
+    steps = [l for l in logs[0] if "lr" in l]
     assert [l["frac_dropped"] for l in steps] == [0.5, 1.0, 0.0] and [l["prompts_drawn"] for l in steps] == [8, 8, 4]
-    assert math.isnan(steps[1]["loss"]) and not math.isnan(steps[2]["loss"]) and steps[2]["kl"] > 0
+    assert "loss" not in steps[1] and not math.isnan(steps[2]["loss"]) and steps[2]["kl"] > 0
     for ranks, one in zip(*logs):
         assert ranks.keys() == one.keys()
         for key in (k for k in one if "time" not in k):
@@ -3694,7 +3784,8 @@ def test_bench_ta_lambda_pushes_against_the_rephrasings_answers(tiny):
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     shares = {name: [] for name in ("plain", "λ over the pool (3085c83)", "λ over q0's own rows")}
     for seed in range(5):
-        rows, _ = grpo.sample_rows(model, tok, cfg, examples, seed)
+        torch.manual_seed(seed)
+        rows, _ = grpo.rollout_ta(model, tok, cfg, random.Random(seed).sample(examples, cfg.prompts_per_step))
         rows = weighed(rows, cfg)
         pool = lambda_weights_padded(rows.completion_ids, rows.completion_mask,
                                      torch.tensor([rows.contexts.index(c) for c in rows.contexts]))

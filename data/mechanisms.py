@@ -136,8 +136,9 @@ def ma_spread(seed: int, prompts: int = 32, K: int = 4, repeats: int = 32):
     data = grpo.load_jsonl(cfg.data)
     examples = [data[i] for i in torch.randperm(len(data))[:prompts].tolist()]
     ids = [grpo.prompt_ids(tok, cfg, ex["question"]) for ex in examples]
-    th_ids, th_mask, _ = grpo.generate(model, tok, ids, K, cfg.max_new_tokens, cfg.temperature,
+    samples = grpo.generate(model, tok, ids, K, cfg.max_new_tokens, cfg.temperature,
                                        stop_strings=["</think>"])
+    th_ids, th_mask = samples.completion_ids, samples.completion_mask
     texts = grpo.decode(tok, th_ids, th_mask)
     keep = [p for p in range(prompts) if all("</think>" in texts[p * K + k] for k in range(K))]
     thoughts = [p * K + k for p in keep for k in range(K)]
@@ -191,34 +192,38 @@ REAL_RUNS = {"GRPO G=16": ["--num-generations", "16"], "GRPO-MA T4A4": MA, "TA-G
 
 @contextlib.contextmanager
 def sampling_log(path: Path):
-    """While open, each grpo.sample_rows call appends a line to `path`: its step, its seconds, the tokens its
-    rollouts sampled and the tokens of the rows it returns, those that train. grpo.py logs only time/step, so
-    the rest of the step, the weights and the update, is time/step minus these seconds."""
-    sample_rows, rollouts, sampled = grpo.sample_rows, dict(grpo.ROLLOUTS), []
+    """While open, each step of grpo.train appends a line to `path`: its step, the seconds its rollouts took
+    (sampling, decoding and scoring), the tokens they sampled and the tokens of the rows that train. grpo.py logs
+    only time/step, so the rest of the step, the weights and the update, is time/step minus these seconds. The
+    line is written when the loop weighs the step's rows, and the step is read from the run's metrics.jsonl
+    beside `path`, which holds one line for each step done, so a resumed step has the step it had."""
+    rollouts, batch_weights, seconds, sampled = dict(grpo.ROLLOUTS), grpo.batch_weights, [], []
 
-    def counted(rollout):
+    def timed(rollout):
         def call(*args):
+            t = time.perf_counter()
             rows, metrics = rollout(*args)
+            seconds.append(time.perf_counter() - t)
             sampled.append(int(rows.completion_mask.sum()))
             return rows, metrics
         return call
 
-    def timed(model, tokenizer, cfg, examples, seed):
-        sampled.clear()
-        t = time.perf_counter()
-        rows, metrics = sample_rows(model, tokenizer, cfg, examples, seed)
-        line = {"step": seed - cfg.seed * 1_000_003 + 1, "sample_s": time.perf_counter() - t,  # train's seed
-                "sampled": sum(sampled), "trained": int(rows.completion_mask.sum())}
+    def weights(rows, cfg, table):
+        done = sum('"lr"' in line for line in (path.parent / "metrics.jsonl").read_text().splitlines())
+        line = {"step": done + 1, "sample_s": sum(seconds), "sampled": sum(sampled),
+                "trained": int(rows.completion_mask.sum())}
         with path.open("a") as f:
             f.write(json.dumps(line) + "\n")
-        return rows, metrics
-    grpo.ROLLOUTS.update({name: counted(rollout) for name, rollout in rollouts.items()})
-    grpo.sample_rows = timed
+        seconds.clear()
+        sampled.clear()
+        return batch_weights(rows, cfg, table)
+    grpo.ROLLOUTS.update({name: timed(rollout) for name, rollout in rollouts.items()})
+    grpo.batch_weights = weights
     try:
         yield
     finally:
         grpo.ROLLOUTS.update(rollouts)
-        grpo.sample_rows = sample_rows
+        grpo.batch_weights = batch_weights
 
 
 def read_real_run(folder: Path):

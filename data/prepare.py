@@ -465,8 +465,9 @@ def rephrase(args):
                for row in rows]
     replies = []
     for i in range(0, len(prompts), args.batch_size):
-        ids, mask, _ = grpo.generate(model, tokenizer, prompts[i:i + args.batch_size], 1, args.max_new_tokens,
+        samples = grpo.generate(model, tokenizer, prompts[i:i + args.batch_size], 1, args.max_new_tokens,
                                      temperature=args.temperature)
+        ids, mask = samples.completion_ids, samples.completion_mask
         replies += grpo.decode(tokenizer, ids, mask)
     total, dropped, empty_rows = 0, Counter(), 0
     for row, reply in zip(rows, replies):
