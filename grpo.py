@@ -1,40 +1,49 @@
-"""grpo.py: GRPO and three recent variants of it, in one file to read top to bottom.
+"""grpo.py: GRPO and three recent variants of it, in one file to read from top to bottom.
 
     python grpo.py                  # GRPO on the tiny model in data/: CPU, offline, ~1 min
     python grpo.py --variant ma     # or ta; --lambda-weights with any; README.md: real models
 
+By default a step optimises GRPO's clipped objective with DAPO's token mean (--loss-type dapo),
+with no KL term (β = 0) and one update per batch (μ = 1). The ratio ρ is then 1 and the clip
+never binds, so a default step is a policy gradient with a group-normalised baseline. The flags
+--loss-type grpo --beta 0.04 give DeepSeekMath's setting, and --num-iterations 2 makes the clip
+bind.
+
 One GRPO step, as train runs it:
-    questions = P questions drawn from the data                       sample_rows
+    draw P questions from the data                                    train
     for each question q: o_1..o_G = G samples from π(· | q)          generate
-    r_i = score(o_i, q's reference answer)                            score
-    A_i = (r_i - mean(r)) / (std(r) + eps) over q's G samples         group_advantages
+    r_i = score(o_i, the reference answer of q)                       score
+    A_i = (r_i - mean(r)) / (std(r) + eps) over the G samples of q    group_advantages
     w_it = 1 / (all completion tokens of the batch)                   batch_weights
-    repeat μ times (by default once, so ρ = 1 and no clip binds):
+    repeat μ times:
         logp_it = log π(o_it | q, o_i<t)                              completion_logps
         ρ_it = exp(logp_it - logp_old_it)                             policy_loss
         loss = -Σ_it w_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) + β Σ_it w_it KL_it
         loss.backward(); clip the gradient norm; optimizer.step()     update
-    where KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1: Schulman's k3, to a frozen copy
+    KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 is Schulman's k3 estimator of the KL
+    divergence to the reference, a frozen copy of the model.
 
 The variants change what a row holds: its context, its advantage A and its token weights w.
 A token's w is its share of the whole batch, so update() needs no normaliser.
 
     grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
-    ma      K thoughts of q, M answers of each; A(th) from its V    GRPO-MA, arXiv 2509.24494
+    ma      K thoughts of q, M answers to each; A(th) from V(th)    GRPO-MA, arXiv 2509.24494
     ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
     --dynamic-sampling, with any: drop the groups without signal   DAPO, arXiv 2503.14476
 
-The symbols, one meaning each:
-    B rows of a batch, C completion tokens a row, P prompts a step, G samples a prompt, W ranks
-    K thoughts a prompt and M answers a thought (ma); N rephrasings of the original q0 (ta)
+Each symbol has one meaning:
+    B rows of a batch, C completion tokens a row, P questions a step, G samples a question, W ranks
+    K thoughts a question and M answers a thought (ma); N rephrasings of the original q0 (ta)
     A advantage, V a thought's value, w a token's weight, J the objective, ρ ratio, ε clip,
     β KL coefficient, μ updates a batch, T temperature, λ(i,t) the rows sharing o_i's prefix
+    a group: the rows whose advantages are normalised together
 
-Simplified: one process samples with a short KV-cache loop and trains. π_old comes from the
-trainer's forward pass. No LoRA: the reference is a full copy. GRPO-MA's two loss parts are our
-reading. TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split a batch.
-In one process the rank helpers of section 7, such as all_reduce, do nothing."""
+What the file simplifies. One process samples, with a short KV-cache loop, and trains. π_old's
+log-probs come from the trainer's own forward pass. There is no LoRA, so the reference is a full
+copy of the model. The weighting of GRPO-MA's two loss parts is our reading of the paper, and
+TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split each batch, and in
+one process the rank helpers of section 7, such as gather, return what they are given."""
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass, replace
@@ -45,14 +54,15 @@ from typing import Literal, NamedTuple
 import torch, transformers
 from tqdm import tqdm
 
-# 1. The schemes and the loss, on plain tensors. It needs only math and torch, so it pastes alone.
-# In your own trainer, with log-probs (B, C) of the sampled tokens under π, π_old and the reference:
-#     A = group_advantages(rewards, group_ids)          # ma_advantages, ta_advantages likewise
-#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(..., groups)
+# 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
+# pastes alone into your own trainer. There, with the log-probs (B, C) of the sampled tokens under
+# π, π_old and the reference, a step's loss is:
+#     A = group_advantages(rewards, group_ids)          # or ma_advantages, ta_advantages
+#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(...)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
 def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
-    """GRPO's advantage: each reward normalised within its group. The B rewards are floats. The B
-    groups are ids from 0 to n-1. The std is unbiased, as TRL's.
+    """GRPO's advantages. Each reward is normalised within its group, the rows with its group id.
+    The B rewards are floats, and the B group ids run from 0 to n-1. The std is unbiased, as TRL's.
 
         A_i = (r_i - mean(r_g)) / (std(r_g) + eps)      g: the rows with i's group id
         A_i = r_i - mean(r_g)                           scale="none", as Dr. GRPO
@@ -60,10 +70,10 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.]), torch.arange(8) // 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999,  0.0000,  0.0000,  0.0000,  0.0000])
 
-    Because of eps, 0.5 prints as 0.4999. Rewards equal within float rounding, such as 1.0 and
-    0.99999994, give exactly 0, not noise / eps."""
-    n = torch.bincount(groups).to(rewards.dtype)  # rows per group: GRPO-MA's groups are ragged
-    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sum by id, not by view
+    Because of eps, 0.5 prints as 0.4999. Rewards that are equal within float rounding, such as
+    1.0 and 0.99999994, give exactly 0, not noise divided by eps."""
+    n = torch.bincount(groups).to(rewards.dtype)  # rows per group; GRPO-MA's groups are ragged,
+    mean = torch.zeros_like(n).index_add(0, groups, rewards) / n  # so sums go by id, not by view
     adv = rewards - mean[groups]
     if scale == "group":
         var = torch.zeros_like(n).index_add(0, groups, adv ** 2) / (n - 1)
@@ -75,11 +85,12 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     return torch.where(torch.isclose(high, low)[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA's advantages of the thoughts and of their answers. They come from the answers'
-    rewards, each answer's thought and each thought's prompt. It returns A(th), A(ans) and V:
-        V(th)   = the mean reward of th's answers; 0 for an unclosed one: ours, the paper is silent
-        A(th)   = V(th) normalised over the K thoughts of its prompt
-        A(ans)  = r(ans) normalised over all answers of its prompt, not per thought
+    """GRPO-MA's advantages of the thoughts and of their answers. The inputs are the answers'
+    rewards, the thought of each answer and the question of each thought. The function returns
+    A(th), A(ans) and V:
+        V(th)   = the mean reward of the answers to th, or 0 if th never closed (our choice)
+        A(th)   = V(th) normalised over the K thoughts of the same question
+        A(ans)  = r(ans) normalised over all answers to the same question, not per thought
 
         prompt -+- thought 0 -+- answer 0  r = 1     V = 1      A(th) =  0.7069
                 |             +- answer 1  r = 1
@@ -91,7 +102,7 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
-    To copy GRPO-MA, also take rollout_ma's rows and its two loss parts."""
+    To copy GRPO-MA, also take the rows of rollout_ma and the two loss parts of batch_weights."""
     answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
     thought_adv = group_advantages(values, thought_prompt, scale, eps)
@@ -99,8 +110,8 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     return thought_adv, answer_adv, values
 
 def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
-    """TA-GRPO's advantages are GRPO's, where a response's group is its original question q0.
-    So q0's G responses and those to its N rephrasings form one group of (N+1)·G.
+    """TA-GRPO's advantages are GRPO's, with one group for each original question q0. So the G
+    responses to q0 and the G responses to each of its N rephrasings form one group of (N+1)·G.
 
         q0  "What is 3 + 5?"   r = 1 1      alone: all equal, no signal
         q1  "Add 3 and 5."     r = 0 1      pooled: mean 0.75, std 0.5
@@ -108,20 +119,21 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta's contexts do by default:
-        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg: sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight. This is off-policy on
-    purpose, as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code conditions
-    on each response's own q_j, as --ta-anchor rephrased: github.com/lhkhiem28/TA-GRPO."""
+    To copy TA-GRPO, also take every log-prob given q0, as the contexts of rollout_ta do by default:
+        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg was sampled after q_j
+    So π given q0 learns from samples given q_j, with no importance weight. The update is off-policy
+    on purpose, as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code instead
+    conditions each response on its own q_j, as --ta-anchor rephrased does (lhkhiem28/TA-GRPO)."""
     return group_advantages(rewards, question, scale, eps)
 
-def lambda_weights(completion_ids, completion_mask, groups):
-    """λ-GRPO's token weights 1/|λ(i,t)|, B by C, 0 off the mask. Rows share a group id when they
-    continue the same context. Groups may be of any size and in any order. Rows are right-padded.
+def lambda_weights(completion_ids, completion_mask, context_ids):
+    """λ-GRPO's token weights 1/|λ(i,t)|, B by C, and 0 off the mask. Rows share a context id when
+    they were sampled after the same context. The rows of a context may be of any number and in any
+    order. The completions are right-padded.
 
-    The count |λ(i,t)| is of the rows of i's group that agree with i on tokens 0 to t. It
-    includes i itself and exact duplicates. So a prefix that k completions share is trained
-    once, not k times. Three rows of one group, the last one token shorter:
+    |λ(i,t)| counts the rows of i's context that agree with row i on tokens 0 to t, row i itself
+    and exact duplicates included. So a prefix that k completions share is trained once, not k
+    times. Here are three rows of one context, the last one a token shorter:
     >>> ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 0]])
     >>> mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
     >>> lambda_weights(ids, mask, torch.tensor([0, 0, 0]))
@@ -129,11 +141,11 @@ def lambda_weights(completion_ids, completion_mask, groups):
             [0.3333, 0.5000, 1.0000],
             [0.3333, 1.0000, 0.0000]])
 
-    To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, they scale the
-    policy and the KL terms, not the normaliser. Memory: n·n·C bools for a group of n rows."""
+    To copy λ-GRPO, multiply the aggregation weights by these. As in the paper, the weights scale
+    the policy and the KL terms, not the normaliser. A context of n rows takes n·n·C bools."""
     weights = torch.zeros(completion_ids.shape, device=completion_ids.device)
-    for group in groups.unique():
-        rows = (groups == group).nonzero().squeeze(1)  # the group's n rows
+    for context in context_ids.unique():
+        rows = (context_ids == context).nonzero().squeeze(1)  # the context's n rows
         ids, mask = completion_ids[rows], completion_mask[rows].bool()  # (n, C)
         same = (ids[:, None] == ids[None]) & mask[:, None] & mask[None]  # (n, n, C): agree at t
         agree = same.cumprod(-1, dtype=torch.int32)  # (n, n, C): rows j and k agree at 0 to t
@@ -143,7 +155,7 @@ def lambda_weights(completion_ids, completion_mask, groups):
 
 def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_tokens=None,
                         max_completion_length=None):
-    """The weight w of each token in the loss, B by C, as TRL aggregates. Row i's length is |o_i|.
+    """The weight w of each token in the loss, B by C, as TRL aggregates. |o_i| is row i's length.
 
         dapo     1 / (all tokens)                     one token mean over the batch
         grpo     1 / (rows · |o_i|)                   the mean over rows of each row's token mean
@@ -153,9 +165,10 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     tensor([[0.2500, 0.2500, 0.0000, 0.0000],
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
-    Under dapo each of these six tokens weighs 1/6. A batch's w sum to 1 under dapo and grpo, to
-    less under λ-GRPO, to 2 with GRPO-MA's two parts. Under torchrun, pass the whole batch's
-    counts. TRL's bnpo divides by a micro-batch's tokens, so it depends on the split: left out."""
+    Under dapo each of these six tokens weighs 1/6. A batch's weights sum to 1 under dapo and grpo,
+    to less under λ-GRPO, and to 2 with GRPO-MA's two parts. Under torchrun, pass the counts of the
+    whole batch. TRL's bnpo is left out, because it divides by a micro-batch's tokens, and so its
+    loss would depend on how the batch is split."""
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
     tokens = mask.sum().item() if num_tokens is None else num_tokens
@@ -167,7 +180,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """The loss -J to minimise, and its metrics. Tensors are B by C, the advantages B or B by C.
+    """The loss -J to minimise, and its metrics. The tensors are B by C, and the advantages are B
+    or B by C.
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
@@ -180,9 +194,9 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     (-2.0, tensor([[-1., -1.]]))
 
     At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
-    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Each metric holds one value
-    for each token of the mask, so its mean is a token mean: clip_low and clip_high are 1 where the
-    clip binds, and kl (β > 0) is the token's KL."""
+    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Each metric holds a value
+    for each token of the mask, so the metric's mean is a token mean. clip_low and clip_high are 1
+    where the clip binds, and kl (only when β > 0) is the token's KL."""
     on = completion_mask.bool()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(on, adv, 0.0)  # (B, C), 0 off the mask
@@ -201,20 +215,22 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
         metrics["clip_high"] = ((ratio > 1 + epsilon_high) & (adv > 0))[on].float()
     return torch.where(on, loss * loss_weights, 0.0).sum(), metrics
 
-# 2. The reward. What cannot be read is a miss, never a guess, because the policy would be trained
-# toward a false positive. Model output is read, never run. data/rewards.py reads real models.
+# 2. The reward. An answer that cannot be read is a miss, never a guess, because a guess would train
+# the policy toward a false positive. Model output is read, never run. data/rewards.py holds the
+# rewards that read what real models write.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 
 def score(text: str, reference: str, finished: bool) -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0. The
-    answer is what the last <answer>...</answer> after the first </think> holds. A thought that
-    never closes holds none. A numeric reference wants the same value, so '+85.0' and '1,234' are
-    numbers. Any other wants the same text. Reading only splits and searches: linear time."""
+    answer is the text inside the last <answer>...</answer> after the first </think>, and a thought
+    that never closes holds no answer. A numeric reference asks for the same value, so '+85.0' and
+    '1,234' count as numbers. Any other reference asks for the same text. The reading only splits
+    and searches, so it takes linear time."""
     if not finished or ("<think>" in text and "</think>" not in text):
         return 0.0
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
     end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, max(end, 0))  # the last <answer> that closes before it
+    start = text.rfind("<answer>", 0, max(end, 0))  # the last <answer> that opens before `end`
     if start < 0:
         return 0.0
     a = text[start + len("<answer>"):text.find("</answer>", start)].strip()
@@ -223,15 +239,17 @@ def score(text: str, reference: str, finished: bool) -> float:
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
-    """The default --reward-fn, called as TRL calls a reward function. A completion is text or TRL's
-    chat messages. Each data key comes by name, a value per row. TRL passes no `finished`."""
+    """The default --reward-fn, called as TRL calls a reward function. A completion is text or a
+    list of TRL's chat messages. Each data key comes as a keyword, with a value for each row. TRL
+    passes no `finished`, so every completion then counts as finished."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
 
 def score_batch(cfg, examples, texts: list[str], finished, prompts=None):
     """The rewards of B completion texts, from one call of the reward function. Each text is
-    scored after --response-prefix. The prompts are the rows' questions, or `prompts` if given."""
+    scored with --response-prefix before it. The prompts are the rows' questions, unless the
+    caller passes `prompts`."""
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
     columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
@@ -242,10 +260,12 @@ def score_batch(cfg, examples, texts: list[str], finished, prompts=None):
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
 
-# 3. The sampler, for HF's decoder layout: model.model, then model.lm_head (Qwen2/3, Llama).
+# 3. The sampler. It runs HF's decoder layout, model.model and then model.lm_head, as in Qwen2/3 and
+# Llama.
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
-    """The ids of a question in the chat template, then of --response-prefix. The prefix is plain
-    text that begins the reply, as <think> in DeepSeek-R1's template. It is never trained."""
+    """The ids of a question in the chat template, followed by the ids of --response-prefix. The
+    prefix is plain text that begins the reply, as <think> does in DeepSeek-R1's template, and it
+    is never trained."""
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
                                          tokenize=False, add_generation_prompt=True)
@@ -253,14 +273,14 @@ def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids + prefix.input_ids
 
 def pad_ids(seqs: list[list[int]], pad_id: int, side: str = "left"):
-    """Lists of ids -> ids and attention mask, B by L, padded on the left or the right."""
+    """Lists of ids -> a tensor of ids and its attention mask, B by L, padded on the given side."""
     pad = lambda rows, value: torch.nn.utils.rnn.pad_sequence(
         [torch.tensor(row, dtype=torch.long) for row in rows], True, value, side)
     return pad(seqs, pad_id), pad([[1] * len(s) for s in seqs], 0)
 
 def run_decoder(model, input_ids, attention_mask, cache=None):
-    """The decoder's last hidden states, B by S by H, for S new tokens after those in `cache`.
-    The caller applies the lm_head only where it needs logits. The mask covers the cache too."""
+    """The decoder's last hidden states, B by S by H, for S new tokens after those in `cache`. The
+    caller applies the lm_head only where it needs logits. The mask covers the cached tokens too."""
     # a token's position is the number of real tokens before it, so padding takes no place
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -315,10 +335,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) rows that have ended
     finished, lengths, texts = torch.zeros_like(ended), torch.zeros_like(index), [""] * B
     for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
+        token = logits.argmax(-1) if greedy else torch.multinomial(
+            (logits / temperature).softmax(-1), 1).squeeze(-1)
         token = token.masked_fill(ended, tokenizer.pad_token_id)  # (B,) an ended row draws pad
         out[:, t] = token
         lengths += ~ended  # the rows still running count this token
@@ -337,19 +355,17 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     completion_mask = (torch.arange(C, device=device) < lengths[:, None]).long()
     return Samples(out[:, :C].cpu(), completion_mask.cpu(), finished.cpu())
 
-# 4. The rows. A rollout samples the completions of a batch of questions and returns them as Rows.
+# 4. The rows. A rollout samples the completions of a batch of questions and returns them as Rows,
+# with their advantages. The functions after the rollouts choose and weigh the rows that train.
 @dataclass
 class Rows:
     """The completions of a batch, one row each, with what the loss needs to know of them. Row i
     adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
     rollout fills every field but loss_weights, which the loop sets with batch_weights.
 
-    A group is the set of rows whose advantages are normalised together. It is the rows of one
-    question in one part of J, so a question has one group, or two under GRPO-MA:
-        variant   part 0 of J, one group a question     part 1 of J, one group a question
-        grpo      the G completions                     none
-        ma        the K thoughts                        the answers to all its closed thoughts
-        ta        the (N+1)·G responses to all phrasings none"""
+    A group is the set of rows whose advantages are normalised together: a question's rows in one
+    part of J. Under grpo a question has one group, its G completions, and under ta one, the
+    (N+1)·G responses to its phrasings. Under ma it has two, its K thoughts and their answers."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
@@ -377,10 +393,15 @@ def cat_rows(many: list[Rows]) -> Rows:
                                        if x.dim() == 2 else x for x in pieces])
     return Rows(contexts=[c for rows in many for c in rows.contexts], **tensors)
 
-def no_signal(advantages, groups, num_groups: int):
-    """True for each group whose rows all have A = 0: what frac_reward_zero_std counts."""
-    nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)  # (B,)
-    return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
+def group_signal(rows: Rows, num_questions: int):
+    """(questions, 2): True where a question's group in that part of J has signal, that is, where
+    some row of the group has an advantage that is not 0. Dynamic sampling keeps those groups, and
+    frac_reward_zero_std counts the questions whose groups have none."""
+    advantages = rows.advantages[:, None] if rows.advantages.dim() == 1 else rows.advantages
+    nonzero = (advantages != 0).any(1)  # (B,)
+    signal = torch.zeros(num_questions, 2, dtype=torch.bool)
+    signal[rows.questions[nonzero], rows.parts[nonzero]] = True
+    return signal
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     """GRPO: G completions of each question, advantages normalised within the question's G."""
@@ -391,12 +412,13 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
     rewards = score_batch(cfg, [batch[q] for q in question], texts, s.finished)
     advantages = group_advantages(rewards, question, cfg.scale_rewards)
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, question, len(batch)),
-                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
-    return Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
+    rows = Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
                 questions=question, parts=torch.zeros_like(question),
-                off_policy=torch.zeros_like(question, dtype=torch.bool)), metrics
+                off_policy=torch.zeros_like(question, dtype=torch.bool))
+    metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 0],
+                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
+    return rows, metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
@@ -441,13 +463,13 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
                        outcomes=rewards, questions=answer_prompt,
                        parts=torch.ones_like(answer_prompt),
                        off_policy=torch.zeros_like(answer_prompt, dtype=torch.bool))
+    rows = cat_rows([thought_rows, answer_rows])
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
-    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(answer_adv, answer_prompt,
-                                                                  len(batch)),
+    metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 1],
                    completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
                    unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
                    frac_truncated=~answers.finished)
-    return cat_rows([thought_rows, answer_rows]), metrics
+    return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step,
@@ -476,49 +498,37 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
                           [phrasing_text[j] for j in row_phrasing])  # each prompt as it was asked
     advantages = ta_advantages(rewards, row_question, cfg.scale_rewards)
     r0 = rewards[row_phrasing == row_q0].view(-1, G)  # the G rewards of q0 itself, as GRPO's
-    metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
-                   frac_reward_zero_std=no_signal(advantages, row_question, len(batch)),
-                   frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
-                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
     context = row_q0 if cfg.ta_anchor == "original" else row_phrasing
-    return Rows(contexts=[phrasings[j] for j in context], completion_ids=s.completion_ids,
+    rows = Rows(contexts=[phrasings[j] for j in context], completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
                 questions=row_question, parts=torch.zeros_like(row_question),
-                off_policy=context != row_phrasing), metrics
+                off_policy=context != row_phrasing)
+    metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
+                   frac_reward_zero_std=~group_signal(rows, len(batch))[:, 0],
+                   frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
+                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
+    return rows, metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
-class GroupTable(NamedTuple):
-    """What the loop needs to know of the groups of a draw, on every rank. Each field is
-    (questions, 2): a question's row holds its group in part 0 and its group in part 1 of J."""
-    rows: torch.Tensor    # (Q, 2) the number of rows in the group
-    tokens: torch.Tensor  # (Q, 2) the number of completion tokens in the group
-    signal: torch.Tensor  # (Q, 2) 1 if some row of the group has an advantage that is not 0
-
-def group_table(rows: Rows, num_questions: int) -> GroupTable:
-    """The GroupTable of a rollout's rows, one row of the table for each question of its batch."""
-    def per_group(values):  # (B,) -> (Q, 2): the sum over each group's rows
-        table = torch.zeros(num_questions, 2, dtype=torch.long)
-        return table.index_put_((rows.questions, rows.parts), values.long(), accumulate=True)
-    part = [rows.parts == p for p in (0, 1)]  # (B,) each: the rows of part p
-    signal = [~no_signal(rows.advantages[on], rows.questions[on], num_questions) for on in part]
-    return GroupTable(rows=per_group(torch.ones(len(rows.contexts))),
-                      tokens=per_group(rows.completion_mask.sum(1)),
-                      signal=torch.stack(signal, 1).long())
+def part_counts(rows: Rows):
+    """(2, 2): the rows and the completion tokens in each part of J, one part to a row."""
+    tokens = rows.completion_mask.sum(1)  # (B,)
+    return torch.tensor([[(rows.parts == p).sum(), tokens[rows.parts == p].sum()] for p in (0, 1)])
 
 def keep_groups(signal, room: int):
-    """Dynamic sampling's choice among the groups of one draw: the groups with signal of the
-    first `room` questions that have one, in draw order. signal and the result are (Q, 2)."""
-    has_signal = signal.bool().any(1)  # (Q,)
+    """Dynamic sampling's choice among the groups of one draw: the groups with signal of the first
+    `room` questions that have one, in draw order. signal and the result are (questions, 2)."""
+    has_signal = signal.any(1)  # (questions,)
     first = has_signal & (has_signal.cumsum(0) <= room)
-    return signal.bool() & first[:, None]
+    return signal & first[:, None]
 
-def batch_weights(rows: Rows, cfg, table: GroupTable) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates (train's rule 1). The table counts the rows
-    and tokens of every rank, so w is the token's share of the whole batch. Each part of J is
+def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
+    """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts
+    summed over the ranks, so w is the token's share of the whole batch. Each part of J is
     aggregated alone, with its own length limit. Under GRPO-MA, --ma-weighting tokens pools the
     two parts into one, and the longer of the two limits is that pool's limit."""
-    num_rows, num_tokens = table.rows.sum(0), table.tokens.sum(0)  # (2,) each part's, all ranks
+    num_rows, num_tokens = counts.T  # (2,) each: the rows and the tokens of each part
     parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
     if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
         parts, num_rows, num_tokens = 0 * parts, num_rows.sum(0, True), num_tokens.sum(0, True)
@@ -536,29 +546,28 @@ def lambda_rows(rows: Rows, enabled: bool):
     context keeps its w, as a rephrasing's response trained given q0 does, because λ's premise
     fails there (RESULTS.md). When not enabled, w stays, and |λ| is returned for the log alone."""
     on = ~rows.off_policy  # (B,) the rows sampled after the context they train in
-    ids = {}  # one id per context
-    context_ids = torch.tensor([ids.setdefault(tuple(c), len(ids))
-                                for c, sampled_here in zip(rows.contexts, on.tolist())
-                                if sampled_here], dtype=torch.long)  # (rows on,)
+    contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
+    context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
     inv_lambda = rows.completion_mask.float()  # 1 / |λ| = 1 for a row sampled elsewhere
     inv_lambda[on] = lambda_weights(rows.completion_ids[on], rows.completion_mask[on], context_ids)
     weights = rows.loss_weights * inv_lambda if enabled else rows.loss_weights
     return replace(rows, loss_weights=weights), 1 / inv_lambda[rows.completion_mask.bool()]
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
-def completion_logps(model, contexts, completion_ids, completion_mask, temperature: float):
-    """Log softmax(logits / T) of each completion token, given its context and the tokens before it.
-    B by C, 0 off the mask. One forward pass, no KV cache. Each row is right-padded, so no position
-    sees only padding. On CUDA such a position can turn the attention's backward pass to NaN.
+def completion_logps(model, rows: Rows, temperature: float):
+    """Log softmax(logits / T) of each completion token of the rows, given the row's context and the
+    tokens before it: B by C, and 0 off the mask. It takes one forward pass with no KV cache. Each
+    row is right-padded, so no position sees only padding, which on CUDA can turn the attention's
+    backward pass to NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
         predicts         t1 t2  -         position 3 - 1 + j predicts completion token j
 
     The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
-    mask, n = completion_mask.bool(), completion_mask.sum(1)  # a completion's n tokens come first
-    seqs = [context + row[:k].tolist() for context, row, k in zip(contexts, completion_ids, n)]
+    mask, n = rows.completion_mask.bool(), rows.completion_mask.sum(1)  # n tokens, then padding
+    seqs = [c + row[:k].tolist() for c, row, k in zip(rows.contexts, rows.completion_ids, n)]
     ids, attention = (x.to(n.device) for x in pad_ids(seqs, 0, "right"))  # (B, S)
-    start = torch.tensor([len(context) - 1 for context in contexts], device=n.device)[:, None]
+    start = torch.tensor([len(c) - 1 for c in rows.contexts], device=n.device)[:, None]
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
     hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), ordered as logps[mask]
@@ -566,10 +575,10 @@ def completion_logps(model, contexts, completion_ids, completion_mask, temperatu
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    logps = torch.zeros(completion_ids.shape, device=mask.device)
+    logps = torch.zeros(rows.completion_ids.shape, device=mask.device)
     logps[mask] = torch.cat([  # checkpointed, so no chunk's logits wait for backward
         torch.utils.checkpoint.checkpoint(chunk_logps, h, t, use_reentrant=False)
-        for h, t in zip(hidden.split(chunk), completion_ids[mask].split(chunk))])
+        for h, t in zip(hidden.split(chunk), rows.completion_ids[mask].split(chunk))])
     return logps
 
 def update(model, ref_model, optimizer, rows: Rows, cfg):
@@ -579,24 +588,19 @@ def update(model, ref_model, optimizer, rows: Rows, cfg):
     collective is the sum of the gradients, as DDP's. At μ = 1 the loss is -Σ w A, which says
     little of progress, so watch the reward."""
     device, mu, T = next(model.parameters()).device, cfg.num_iterations, cfg.temperature
-    lengths = torch.tensor([len(c) for c in rows.contexts], dtype=torch.long)
-    lengths += rows.completion_mask.sum(1)
+    lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)  # (B,)
     order = lengths.argsort(stable=True)  # rows of like length share a micro-batch and pad less
     micro_batches = [select_rows(rows, index, device)  # none on a rank that holds no rows
                      for index in order.split(cfg.micro_batch_size) if len(index)]
-    old, ref = [], []  # π_old's log-probs if μ > 1, and the reference's if β > 0
-    with torch.no_grad():
-        for mb in micro_batches:
-            old.append(completion_logps(model, mb.contexts, mb.completion_ids, mb.completion_mask,
-                                        T) if mu > 1 else None)
-            ref.append(completion_logps(ref_model, mb.contexts, mb.completion_ids,
-                                        mb.completion_mask, T) if cfg.beta else None)
+    with torch.no_grad():  # π_old's log-probs if μ > 1, and the reference's if β > 0
+        old = [completion_logps(model, mb, T) if mu > 1 else None for mb in micro_batches]
+        ref = [completion_logps(ref_model, mb, T) if cfg.beta else None for mb in micro_batches]
     names = ["clip_low", "clip_high", "kl"] if cfg.beta else ["clip_low", "clip_high"]
     per_token = {name: [torch.zeros(0)] for name in names}  # the values of every micro-batch
     loss_sum, grad_norms = 0.0, []
     for _ in range(mu):
         for j, mb in enumerate(micro_batches):
-            logps = completion_logps(model, mb.contexts, mb.completion_ids, mb.completion_mask, T)
+            logps = completion_logps(model, mb, T)  # (b, C)
             old_logps = logps.detach() if mu == 1 else old[j]  # at μ = 1 π_old is π, so ρ = 1
             loss, metrics = policy_loss(logps, old_logps, mb.advantages, mb.completion_mask,
                                         mb.loss_weights, ref[j], cfg.beta, cfg.epsilon,
@@ -616,19 +620,17 @@ def update(model, ref_model, optimizer, rows: Rows, cfg):
 
 # 6. The training loop and the eval.
 def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
-    """DAPO's dynamic sampling. It draws questions until P of them have a group with signal, where a
-    group has signal unless all of its advantages are 0. It returns this rank's rows of the groups
-    that train, the metrics of all that this rank sampled, and the GroupTable of every rank's groups
-    that train (a dropped group counts no rows and no tokens). The steps are:
+    """DAPO's dynamic sampling. It draws questions until P of them have a group with signal, and it
+    returns this rank's rows of the groups with signal and the metrics of all that it sampled:
         repeat: draw P questions not drawn before in this step; roll out this rank's share of them
-                gather every rank's GroupTable, so that every rank holds all of the draw's groups
+                gather every rank's group_signal, so that all ranks hold the signal of the draw
                 keep_groups: the groups with signal of the first questions that have one
         until P questions are kept or --max-gen-batches draws are spent
 
-    Take two ranks and P = 2, so each rank rolls out one question of each draw (S: signal):
-        draw 1   rank 0: question a, no S     rank 1: question b, S     keep b        1 of 2
-        draw 2   rank 0: question c, S        rank 1: question d, S     keep c, not d 2 of 2
-    Both ranks see the same tables, so both choose alike. Rank 0 trains c, and rank 1 trains b."""
+    Take two ranks and P = 2, so that each rank rolls out one question of each draw:
+        draw 1   rank 0: question a, no signal   rank 1: question b, signal   keep b       1 of 2
+        draw 2   rank 0: question c, signal      rank 1: question d, signal   keep c, not d 2 of 2
+    Both ranks read the same gathered signal, so both choose alike. Rank 0 trains c, rank 1 b."""
     P, (rank, W) = cfg.prompts_per_step, rank_and_world()
     share = slice(rank * P // W, (rank + 1) * P // W)  # this rank's share of a draw
     left, kept, draws = list(range(len(examples))), 0, []
@@ -637,37 +639,26 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
         left = sorted(set(left) - set(drawn))
         rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg,
                                               [examples[i] for i in drawn[share]])
-        table = GroupTable(*map(gather, group_table(rows, P // W)))  # (P, 2) each, all ranks
-        keep = keep_groups(table.signal, P - kept)  # (P, 2) the groups that train
+        signal = gather(group_signal(rows, P // W).long()).bool()  # (P, 2) on every rank
+        keep = keep_groups(signal, P - kept)  # (P, 2) the groups that train
         kept += int(keep.any(1).sum())
         row_keep = keep[share][rows.questions, rows.parts]  # (B,) this rank's rows that train
-        table = GroupTable(rows=table.rows * keep, tokens=table.tokens * keep, signal=keep.long())
-        metrics |= {"frac_dropped": ~row_keep}
-        draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics, table))
-    rows, metrics, tables = zip(*draws)
-    metrics = {name: torch.cat([m[name] for m in metrics]) for name in metrics[0]}
-    table = GroupTable(*(torch.cat(field) for field in zip(*tables)))  # (draws·P, 2) each
-    return cat_rows(rows), metrics | {"prompts_drawn": torch.tensor(P * len(draws))}, table
+        metrics["frac_dropped"] = ~row_keep
+        draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics))
+    metrics = {name: torch.cat([m[name] for _, m in draws]) for name in draws[0][1]}
+    return cat_rows([rows for rows, _ in draws]), metrics | {
+        "prompts_drawn": torch.tensor(P * len(draws))}
 
-# Rule 1 of train, below, with --loss-type dapo: 8 rows hold 16 tokens, so w is 1/16 on all ranks.
-#     rank 0:  micro-batch 0 gives piece a, micro-batch 1 piece b;  10 tokens
-#     rank 1:  micro-batch 0 gives piece c, micro-batch 1 piece d;   6 tokens
-# A piece is Σ w ℓ over its rows, ℓ a token's term of policy_loss. So a + b + c + d is Σ ℓ / 16,
-# one process's loss. Had each rank counted its own tokens, w would be 1/10 and 1/6.
 def train(cfg) -> dict:
     """Train as configured, and return rank 0's summary. A step takes a batch from the rollout to
-    the update in three stages, each a numbered block below:
-        1. rows     draw P questions, roll out this rank's share, gather every rank's GroupTable
-        2. weights  batch_weights: each token's share of the whole batch; then λ's weighting
-        3. update   μ optimizer steps, at the step's learning rate; then the log and the eval
-    The rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks. batch_weights sets it from the
-       GroupTable, which counts every rank's rows that train. So the micro-batches' losses on all
-       ranks add up to one -J.
+    the update in three numbered blocks: this rank's rows, their weights, and the update. These are
+    the rules an editor of the loop must keep:
+    1. A token's w is its share of the batch on all ranks: batch_weights counts every rank's rows
+       that train. So the micro-batches' losses on all ranks add up to one -J. With --loss-type
+       dapo and two ranks of 10 and 6 tokens, w is 1/16 on both, not 1/10 and 1/6.
     2. Every rank makes the same collective calls in the same order, whatever rows it holds. Only
-       train and the functions of section 6 call them, and the update calls one, sum_gradients. A
-       choice that must agree on all ranks reads only what all ranks hold alike, such as the
-       GroupTable.
+       the loop (train, dynamic_sampling, evaluate, save_checkpoint) calls them, and update calls
+       one, sum_gradients. A choice that must agree on all ranks reads only gathered numbers.
     3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
     5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
@@ -695,19 +686,19 @@ def train(cfg) -> dict:
             rng = random.Random(seed)
             torch.manual_seed(seed * W + rank)  # each rank samples its own completions
             if cfg.dynamic_sampling:
-                rows, metrics, table = dynamic_sampling(model, tokenizer, cfg, examples, rng)
+                rows, metrics = dynamic_sampling(model, tokenizer, cfg, examples, rng)
             else:  # draw P questions, take this rank's share, and roll it out
                 questions = rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
                 rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, questions)
-                table = GroupTable(*map(gather, group_table(rows, len(questions))))
             # 2. Each token's weight, as a share of the batch on all ranks (rule 1), then λ's
-            rows = replace(rows, loss_weights=batch_weights(rows, cfg, table))
+            counts = gather(part_counts(rows)[None]).sum(0)  # (2, 2) the rows that train
+            rows = replace(rows, loss_weights=batch_weights(rows, cfg, counts))
             rows, metrics["lambda_mean"] = lambda_rows(rows, cfg.lambda_weights)
-            # 3. The update, unless no rank holds a row (rule 5). lr warms up linearly.
+            # 3. The update, unless no rank holds a row (rule 5). The learning rate warms up.
             lr = cfg.lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
             for param_group in optimizer.param_groups:
                 param_group["lr"] = lr
-            if table.rows.sum():
+            if counts.sum():
                 loss, update_metrics = update(model, ref_model, optimizer, rows, cfg)
                 metrics |= update_metrics | {"loss": gather(loss.view(1)).sum()}  # all ranks' -J
             metrics = mean_over_ranks(metrics)
@@ -965,18 +956,13 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 def gather(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's x, concatenated along dim 0 in rank order, on the CPU; x in one process. The
-    ranks' x may differ in length along dim 0. Every rank calls it, as every collective."""
+    """Every rank's x, concatenated along dim 0 in rank order, on the CPU; x itself in one process.
+    The ranks' x may differ in length along dim 0. Every rank calls it, as every collective."""
     if not torch.distributed.is_initialized():
         return x
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(rank_and_world()[1])]
-    torch.distributed.all_gather(lengths, torch.tensor([len(x)], device=device))
-    padded = torch.zeros(max(lengths).item(), *x.shape[1:], dtype=x.dtype, device=device)
-    padded[:len(x)] = x  # all_gather wants one shape on all ranks
-    pieces = [torch.empty_like(padded) for _ in lengths]
-    torch.distributed.all_gather(pieces, padded)
-    return torch.cat([piece[:n] for piece, n in zip(pieces, lengths)]).cpu()
+    pieces = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(pieces, x.cpu())  # pickled between our own ranks
+    return torch.cat(pieces)
 
 def mean_over_ranks(metrics: dict) -> dict:
     """Each metric, a tensor of values on each rank -> the mean of all ranks' values, NaN if none."""
