@@ -4,10 +4,9 @@
     python grpo.py --variant ma     # or ta; --lambda-weights with any; README.md: real models
 
 By default a step optimises GRPO's clipped objective with DAPO's token mean (--loss-type dapo),
-with no KL term (β = 0) and one update per batch (μ = 1). The ratio ρ is then 1 and the clip
-never binds, so a default step is a policy gradient with a group-normalised baseline. The flags
---loss-type grpo --beta 0.04 give DeepSeekMath's setting, and --num-iterations 2 makes the clip
-bind.
+no KL term (β = 0) and one update per batch (μ = 1). So the ratio ρ is 1, the clip never binds,
+and a step is a policy gradient with a group-normalised baseline. DeepSeekMath's setting is
+--loss-type grpo --beta 0.04, and --num-iterations 2 or more makes the clip bind.
 
 One GRPO step, as train runs it:
     draw P questions from the data                                    train
@@ -42,8 +41,7 @@ Each symbol has one meaning:
 What the file simplifies. One process samples, with a short KV-cache loop, and trains. π_old's
 log-probs come from the trainer's own forward pass. There is no LoRA, so the reference is a full
 copy of the model. The weighting of GRPO-MA's two loss parts is our reading of the paper, and
-TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split each batch, and in
-one process the rank helpers of section 7, such as gather, return what they are given."""
+TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split each batch."""
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass, replace
@@ -55,8 +53,7 @@ import torch, transformers
 from tqdm import tqdm
 
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
-# pastes alone into your own trainer. There, with the log-probs (B, C) of the sampled tokens under
-# π, π_old and the reference, a step's loss is:
+# pastes alone into your trainer. There, with log-probs (B, C) under π, π_old and the reference:
 #     A = group_advantages(rewards, group_ids)          # or ma_advantages, ta_advantages
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(...)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
@@ -85,9 +82,8 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     return torch.where(torch.isclose(high, low)[groups], 0.0, adv)
 
 def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
-    """GRPO-MA's advantages of the thoughts and of their answers. The inputs are the answers'
-    rewards, the thought of each answer and the question of each thought. The function returns
-    A(th), A(ans) and V:
+    """GRPO-MA's advantages, from the answers' rewards, each answer's thought and each thought's
+    question. The function returns A(th), A(ans) and V:
         V(th)   = the mean reward of the answers to th, or 0 if th never closed (our choice)
         A(th)   = V(th) normalised over the K thoughts of the same question
         A(ans)  = r(ans) normalised over all answers to the same question, not per thought
@@ -121,15 +117,14 @@ def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
 
     To copy TA-GRPO, also take every log-prob given q0, as the contexts of rollout_ta do by default:
         ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg was sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight. The update is off-policy
-    on purpose, as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code instead
-    conditions each response on its own q_j, as --ta-anchor rephrased does (lhkhiem28/TA-GRPO)."""
+    So π given q0 learns from samples given q_j, with no importance weight: off-policy on purpose,
+    as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code conditions each
+    response on its own q_j instead, as --ta-anchor rephrased does (lhkhiem28/TA-GRPO)."""
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, context_ids):
     """λ-GRPO's token weights 1/|λ(i,t)|, B by C, and 0 off the mask. Rows share a context id when
-    they were sampled after the same context. The rows of a context may be of any number and in any
-    order. The completions are right-padded.
+    they were sampled after the same context, in any number and order. Completions are right-padded.
 
     |λ(i,t)| counts the rows of i's context that agree with row i on tokens 0 to t, row i itself
     and exact duplicates included. So a prefix that k completions share is trained once, not k
@@ -166,9 +161,8 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
             [0.1250, 0.1250, 0.1250, 0.1250]])
 
     Under dapo each of these six tokens weighs 1/6. A batch's weights sum to 1 under dapo and grpo,
-    to less under λ-GRPO, and to 2 with GRPO-MA's two parts. Under torchrun, pass the counts of the
-    whole batch. TRL's bnpo is left out, because it divides by a micro-batch's tokens, and so its
-    loss would depend on how the batch is split."""
+    to less under λ-GRPO, and to 2 with GRPO-MA's two parts. Under torchrun, pass the whole batch's
+    counts. TRL's bnpo is left out, as it divides by a micro-batch's tokens and so by the split."""
     mask = completion_mask.float()
     rows = len(mask) if num_rows is None else num_rows
     tokens = mask.sum().item() if num_tokens is None else num_tokens
@@ -180,8 +174,7 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """The loss -J to minimise, and its metrics. The tensors are B by C, and the advantages are B
-    or B by C.
+    """The loss -J to minimise, and its metrics. Tensors are B by C; the advantages, B or B by C.
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
@@ -203,29 +196,26 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # ρ
     loss = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)  # (B, C)
-    metrics = {}
+    with torch.no_grad():  # the clip binds where ρ has left the range in A's direction
+        metrics = {"clip_low": ((ratio < 1 - epsilon) & (adv < 0))[on].float(),
+                   "clip_high": ((ratio > 1 + epsilon_high) & (adv > 0))[on].float()}
     if beta:
         assert ref_per_token_logps is not None, "beta > 0 needs ref_per_token_logps"
         delta = ref_per_token_logps - per_token_logps
         kl = torch.exp(delta) - delta - 1
         loss = loss + beta * kl
         metrics["kl"] = kl[on].detach()
-    with torch.no_grad():  # the clip binds where ρ has left the range in A's direction
-        metrics["clip_low"] = ((ratio < 1 - epsilon) & (adv < 0))[on].float()
-        metrics["clip_high"] = ((ratio > 1 + epsilon_high) & (adv > 0))[on].float()
     return torch.where(on, loss * loss_weights, 0.0).sum(), metrics
 
-# 2. The reward. An answer that cannot be read is a miss, never a guess, because a guess would train
-# the policy toward a false positive. Model output is read, never run. data/rewards.py holds the
-# rewards that read what real models write.
+# 2. The reward. An answer that cannot be read is a miss, never a guess, so that no false positive
+# is ever trained. Model output is read, never run. data/rewards.py reads what real models write.
 NUMBER_RE = re.compile(r"[-+]?(?:(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
 
 def score(text: str, reference: str, finished: bool) -> float:
     """1.0 if the completion finished with EOS and its answer equals the reference, else 0.0. The
-    answer is the text inside the last <answer>...</answer> after the first </think>, and a thought
-    that never closes holds no answer. A numeric reference asks for the same value, so '+85.0' and
-    '1,234' count as numbers. Any other reference asks for the same text. The reading only splits
-    and searches, so it takes linear time."""
+    answer is the text in the last <answer>...</answer> after the first </think>, so a thought that
+    never closes holds none. A numeric reference asks for the same value ('+85.0' and '1,234' are
+    numbers), and any other for the same text. The reading only splits and searches strings."""
     if not finished or ("<think>" in text and "</think>" not in text):
         return 0.0
     text = text.split("</think>", 1)[-1]  # a text without <think> is all answer
@@ -247,9 +237,8 @@ def correct(prompts, completions, answer, finished=None, **columns):
             for c, a, f in zip(completions, answer, finished)]
 
 def score_batch(cfg, examples, texts: list[str], finished, prompts=None):
-    """The rewards of B completion texts, from one call of the reward function. Each text is
-    scored with --response-prefix before it. The prompts are the rows' questions, unless the
-    caller passes `prompts`."""
+    """The rewards of B completion texts, from one call of the reward function. Each text is scored
+    with --response-prefix before it. The prompts are the rows' questions, or `prompts` if given."""
     if not texts:  # a rank whose GRPO-MA thoughts all stayed open has no answers
         return torch.zeros(0)
     columns = {key: [ex.get(key) for ex in examples] for key in examples[0]}  # (B,) each
@@ -260,12 +249,10 @@ def score_batch(cfg, examples, texts: list[str], finished, prompts=None):
         raise UserError(f"--reward-fn {cfg.reward_fn} gave {rewards} for {len(texts)} completions")
     return rewards
 
-# 3. The sampler. It runs HF's decoder layout, model.model and then model.lm_head, as in Qwen2/3 and
-# Llama.
+# 3. The sampler, for HF's decoder layout: model.model, then model.lm_head, as in Qwen2/3 and Llama.
 def prompt_ids(tokenizer, cfg, question: str) -> list[int]:
-    """The ids of a question in the chat template, followed by the ids of --response-prefix. The
-    prefix is plain text that begins the reply, as <think> does in DeepSeek-R1's template, and it
-    is never trained."""
+    """The ids of a question in the chat template, then those of --response-prefix. The prefix is
+    plain text that begins the reply, as <think> in DeepSeek-R1's template. It is never trained."""
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
                                          tokenize=False, add_generation_prompt=True)
@@ -355,17 +342,15 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     completion_mask = (torch.arange(C, device=device) < lengths[:, None]).long()
     return Samples(out[:, :C].cpu(), completion_mask.cpu(), finished.cpu())
 
-# 4. The rows. A rollout samples the completions of a batch of questions and returns them as Rows,
-# with their advantages. The functions after the rollouts choose and weigh the rows that train.
+# 4. The rows: a rollout for each variant, then the functions that choose and weigh the rows.
 @dataclass
 class Rows:
     """The completions of a batch, one row each, with what the loss needs to know of them. Row i
     adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
-    rollout fills every field but loss_weights, which the loop sets with batch_weights.
-
-    A group is the set of rows whose advantages are normalised together: a question's rows in one
-    part of J. Under grpo a question has one group, its G completions, and under ta one, the
-    (N+1)·G responses to its phrasings. Under ma it has two, its K thoughts and their answers."""
+    rollout fills every field but loss_weights, which the loop sets with batch_weights. A group is
+    the set of rows whose advantages are normalised together, a question's rows in one part of J.
+    Under grpo a question has one group, its G completions, and under ta one, the (N+1)·G
+    responses to its phrasings. Under ma it has two, its K thoughts and their answers."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
@@ -394,9 +379,8 @@ def cat_rows(many: list[Rows]) -> Rows:
     return Rows(contexts=[c for rows in many for c in rows.contexts], **tensors)
 
 def group_signal(rows: Rows, num_questions: int):
-    """(questions, 2): True where a question's group in that part of J has signal, that is, where
-    some row of the group has an advantage that is not 0. Dynamic sampling keeps those groups, and
-    frac_reward_zero_std counts the questions whose groups have none."""
+    """(questions, 2): True where a question's group in that part of J has signal, some A that is
+    not 0. Dynamic sampling keeps those groups; frac_reward_zero_std counts the others."""
     advantages = rows.advantages[:, None] if rows.advantages.dim() == 1 else rows.advantages
     nonzero = (advantages != 0).any(1)  # (B,)
     signal = torch.zeros(num_questions, 2, dtype=torch.bool)
@@ -441,7 +425,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
-    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what a thought's answers continue
+    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what a thought's answers follow
              zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
                        cfg.max_answer_tokens, cfg.temperature)  # one row per answer_thought
@@ -452,17 +436,16 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
                                                     cfg.scale_rewards)
     # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
-    thought_rows = Rows(contexts=[prompts[p] for p in thought_prompt],
-                        completion_ids=thoughts.completion_ids,
-                        completion_mask=thoughts.completion_mask, advantages=thought_adv,
-                        outcomes=values, questions=thought_prompt,
-                        parts=torch.zeros_like(thought_prompt), off_policy=torch.zeros_like(closed))
-    answer_rows = Rows(contexts=[after[k] for k in answer_thought],
-                       completion_ids=answers.completion_ids,
-                       completion_mask=answers.completion_mask, advantages=answer_adv,
-                       outcomes=rewards, questions=answer_prompt,
-                       parts=torch.ones_like(answer_prompt),
-                       off_policy=torch.zeros_like(answer_prompt, dtype=torch.bool))
+    thought_rows = Rows(
+        contexts=[prompts[p] for p in thought_prompt], completion_ids=thoughts.completion_ids,
+        completion_mask=thoughts.completion_mask, advantages=thought_adv, outcomes=values,
+        questions=thought_prompt, parts=torch.zeros_like(thought_prompt),
+        off_policy=torch.zeros_like(closed))
+    answer_rows = Rows(
+        contexts=[after[k] for k in answer_thought], completion_ids=answers.completion_ids,
+        completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
+        questions=answer_prompt, parts=torch.ones_like(answer_prompt),
+        off_policy=torch.zeros_like(answer_prompt, dtype=torch.bool))
     rows = cat_rows([thought_rows, answer_rows])
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
     metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 1],
@@ -472,9 +455,9 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     return rows, metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
-    """TA-GRPO: each question q0 comes with up to N of its rephrasings, drawn afresh each step,
-    and each phrasing gets G responses. Take two questions, N = 1 and G = 2, where question 1 has
-    no rephrasing. The phrasings are then [q0 of 0, q1 of 0, q0 of 1], of questions [0, 0, 1]:
+    """TA-GRPO: each question q0 comes with up to N rephrasings, drawn afresh each step, and each
+    phrasing gets G responses. With two questions, N = 1, G = 2 and no rephrasing of question 1,
+    the phrasings are [q0 of 0, q1 of 0, q0 of 1], of questions [0, 0, 1]:
         row            0 1   2 3   4 5
         row_phrasing   0 0   1 1   2 2    the phrasing that the row was sampled after
         row_question   0 0   0 0   1 1    the row's question, whose rows the advantages pool
@@ -524,10 +507,9 @@ def keep_groups(signal, room: int):
     return signal & first[:, None]
 
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts
-    summed over the ranks, so w is the token's share of the whole batch. Each part of J is
-    aggregated alone, with its own length limit. Under GRPO-MA, --ma-weighting tokens pools the
-    two parts into one, and the longer of the two limits is that pool's limit."""
+    """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts summed
+    over the ranks, so w is the token's share of the whole batch. Each part of J is aggregated
+    alone with its own length limit, unless --ma-weighting tokens pools them with the longer one."""
     num_rows, num_tokens = counts.T  # (2,) each: the rows and the tokens of each part
     parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
     if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
@@ -541,10 +523,9 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
 
 def lambda_rows(rows: Rows, enabled: bool):
     """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant. λ counts
-    among the rows that were sampled after the same context and train in it: a question's thoughts
-    or a thought's answers under ma, a phrasing's G responses under ta. A row sampled after another
-    context keeps its w, as a rephrasing's response trained given q0 does, because λ's premise
-    fails there (RESULTS.md). When not enabled, w stays, and |λ| is returned for the log alone."""
+    the rows sampled after one context that train in it, such as a question's thoughts, a thought's
+    answers or a phrasing's G responses. A row sampled after another context (under ta, given q0)
+    keeps its w, because λ's premise fails there (RESULTS.md). Not enabled, it only logs |λ|."""
     on = ~rows.off_policy  # (B,) the rows sampled after the context they train in
     contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
     context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
@@ -555,10 +536,9 @@ def lambda_rows(rows: Rows, enabled: bool):
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, rows: Rows, temperature: float):
-    """Log softmax(logits / T) of each completion token of the rows, given the row's context and the
-    tokens before it: B by C, and 0 off the mask. It takes one forward pass with no KV cache. Each
-    row is right-padded, so no position sees only padding, which on CUDA can turn the attention's
-    backward pass to NaN.
+    """Log softmax(logits / T) of each completion token, given its row's context and the tokens
+    before it, B by C and 0 off the mask, from one forward pass with no KV cache. The rows are
+    right-padded, so no position sees only padding, which on CUDA can make the backward pass NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
         predicts         t1 t2  -         position 3 - 1 + j predicts completion token j
@@ -583,10 +563,9 @@ def completion_logps(model, rows: Rows, temperature: float):
 
 def update(model, ref_model, optimizer, rows: Rows, cfg):
     """Takes μ = --num-iterations optimizer steps on this rank's rows, whichever variant made them.
-    It returns this rank's part of the loss -J, averaged over the μ passes, and the metrics: the
-    grad_norm of each pass, and clip_low, clip_high and kl for each token of each pass. Its only
-    collective is the sum of the gradients, as DDP's. At μ = 1 the loss is -Σ w A, which says
-    little of progress, so watch the reward."""
+    It returns this rank's part of the loss -J, averaged over the μ passes, and the metrics, which
+    are grad_norm for each pass and clip_low, clip_high and kl for each token of each pass. Its one
+    collective sums the gradients, as DDP does. At μ = 1 the loss is -Σ w A, so watch the reward."""
     device, mu, T = next(model.parameters()).device, cfg.num_iterations, cfg.temperature
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)  # (B,)
     order = lengths.argsort(stable=True)  # rows of like length share a micro-batch and pad less
@@ -626,7 +605,6 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
                 gather every rank's group_signal, so that all ranks hold the signal of the draw
                 keep_groups: the groups with signal of the first questions that have one
         until P questions are kept or --max-gen-batches draws are spent
-
     Take two ranks and P = 2, so that each rank rolls out one question of each draw:
         draw 1   rank 0: question a, no signal   rank 1: question b, signal   keep b       1 of 2
         draw 2   rank 0: question c, signal      rank 1: question d, signal   keep c, not d 2 of 2
@@ -650,12 +628,11 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
         "prompts_drawn": torch.tensor(P * len(draws))}
 
 def train(cfg) -> dict:
-    """Train as configured, and return rank 0's summary. A step takes a batch from the rollout to
-    the update in three numbered blocks: this rank's rows, their weights, and the update. These are
-    the rules an editor of the loop must keep:
-    1. A token's w is its share of the batch on all ranks: batch_weights counts every rank's rows
-       that train. So the micro-batches' losses on all ranks add up to one -J. With --loss-type
-       dapo and two ranks of 10 and 6 tokens, w is 1/16 on both, not 1/10 and 1/6.
+    """Train as configured and return rank 0's summary. In each step three numbered blocks take the
+    batch from the rollout to the update. An editor of the loop must keep these rules:
+    1. A token's w is its share of the batch on all ranks, as batch_weights counts every rank's
+       rows. With dapo and ranks of 10 and 6 tokens, w is 1/16, not 1/10 and 1/6. So the
+       micro-batches' losses on all ranks add up to one -J.
     2. Every rank makes the same collective calls in the same order, whatever rows it holds. Only
        the loop (train, dynamic_sampling, evaluate, save_checkpoint) calls them, and update calls
        one, sum_gradients. A choice that must agree on all ranks reads only gathered numbers.
@@ -666,9 +643,9 @@ def train(cfg) -> dict:
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
     device, (rank, W) = setup_ranks(), rank_and_world()
     P = cfg.prompts_per_step
-    examples, test_examples = load_jsonl(cfg.data, P), load_jsonl(cfg.test_data)
+    examples = load_jsonl(cfg.data, P)
+    test_examples = load_jsonl(cfg.test_data)[:cfg.eval_limit or None]  # the questions evaluated
     check_prefix(cfg, examples + test_examples)
-    test_examples = test_examples[:cfg.eval_limit or None]
     checkpoint, state, log = open_run(cfg)  # log() appends a line to metrics.jsonl on rank 0
     bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
     model, tokenizer, ref_model, optimizer = load_run(cfg, device, checkpoint, state, bf16)
@@ -715,20 +692,19 @@ def train(cfg) -> dict:
     return summary(cfg, time.time() - t0) if rank == 0 else None
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int | None = None) -> dict:
+def evaluate(model, tokenizer, examples: list[dict], cfg) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
     samples a question at the training temperature. A chunk is --eval-batch-size rows. Chunk c is
-    seeded with seed + c, by default --seed + 12345, and decoded by rank c % W. GRPO-MA's eval
+    seeded with --seed + 12345 + c and decoded by rank c % W. GRPO-MA's eval
     samples plain completions, each within the thought's and the answer's limits together."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
-    seed = cfg.seed + 12345 if seed is None else seed
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
     for rows, sampled in ((1, False), (n, True)):  # the greedy pass, then the sampled one
         size = max(1, cfg.eval_batch_size // rows)  # questions a chunk
         chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
         for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
-            torch.manual_seed(seed + c)
+            torch.manual_seed(cfg.seed + 12345 + c)
             chunk = examples[start:start + size]
             prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
             s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, not sampled)
@@ -739,9 +715,8 @@ def evaluate(model, tokenizer, examples: list[dict], cfg, seed: int | None = Non
             for r in right if sampled else []:  # a question with r of its n samples right
                 pass_k = [p + 1 - math.comb(n - r, k) / math.comb(n, k)
                           for k, p in enumerate(pass_k, 1)]
-    greedy, *pass_k = gather(torch.tensor([[greedy, *pass_k]], dtype=torch.float64)).sum(0)
-    return {"greedy": greedy.item() / len(examples)} | {
-        f"pass@{k}": total.item() / len(examples) for k, total in enumerate(pass_k, 1)}
+    means = gather(torch.tensor([[greedy, *pass_k]], dtype=torch.float64)).sum(0) / len(examples)
+    return {"greedy": means[0].item()} | {f"pass@{k}": means[k].item() for k in range(1, n + 1)}
 
 # 7. Plumbing: printing, flags, data, models, checkpoints, ranks. A first read may stop here.
 def show_group(tokenizer, rows: Rows, step: int):
@@ -965,8 +940,8 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces)
 
 def mean_over_ranks(metrics: dict) -> dict:
-    """Each metric, a tensor of values on each rank -> the mean of all ranks' values, NaN if none."""
-    return {name: gather(values.flatten().double()).mean().item() for name, values in metrics.items()}
+    """Each metric, a tensor of values on each rank -> the mean of every rank's values, or NaN."""
+    return {name: gather(value.flatten().double()).mean().item() for name, value in metrics.items()}
 
 def sum_gradients(model):
     """Sum the ranks' gradients, not their mean. Each w is a share of the whole batch (rule 1)."""

@@ -1688,7 +1688,7 @@ def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
         return samples_of(tokenizer, texts)
     monkeypatch.setattr(grpo, "generate", table_sampler)
     examples = [{"question": q, "answer": a, "rephrasings": []} for q, (a, _, _) in EVAL_TABLE.items()]
-    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_size=6), 0)
+    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_size=6))
     brute = {}
     for k in (1, 2, 3):
         per_question = []
@@ -3368,7 +3368,7 @@ def test_bench_cuda_the_recipes_step_at_the_qwen25_05b_shape(qwen05b):
         print(f"  completion tokens {int(rows.completion_mask.sum())}, truncated {metrics['frac_truncated'].float().mean():.2f}")
         phase("update, 8 micro-batches of 16", lambda: grpo.update(model, None, optimizer, rows, cfg))
         phase("update again (AdamW's state exists)", lambda: grpo.update(model, None, optimizer, rows, cfg))
-        result = phase("eval chunk, 32 greedy + 256 sampled rows", lambda: grpo.evaluate(model, tok, batch * 2, cfg, 0))
+        result = phase("eval chunk, 32 greedy + 256 sampled rows", lambda: grpo.evaluate(model, tok, batch * 2, cfg))
     assert rows.completion_mask.shape[0] == 128 and set(result) == {"greedy"} | {f"pass@{k}" for k in range(1, 9)}
 
 
@@ -3495,7 +3495,7 @@ def rollout_and_eval_metrics(rank, world):
                           num_rephrasings=2, max_new_tokens=24, max_answer_tokens=12)
         out[variant] = grpo.mean_over_ranks(grpo.ROLLOUTS[variant](lm, tok, cfg, batch)[1])
     out["eval"] = grpo.evaluate(model, tok, grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12],
-                                grpo.Config(eval_samples=3, eval_batch_size=6), 7)
+                                grpo.Config(eval_samples=3, eval_batch_size=6))
     return out
 
 
