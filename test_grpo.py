@@ -2517,20 +2517,21 @@ def test_mechanism_b_c_spikes_and_d_e_a_runs_metrics():
     assert [r["grad_norm"] for r in steps] == [2.0, 3.0] and [e["eval"]["pass@1"] for e in evals] == [0.1, 0.3]
 
 
-def test_mechanism_real_table_times_sampling_and_counts_tokens(tmp_path):
-    """The real-model table on the tiny model, one seed, 2 steps. Each step gets one sampling line, its seconds
-    inside time/step. The tokens it counts agree with what grpo.py logs: completion_length × the rows sampled
-    (prompts_drawn × G), fewer trained only where rows were dropped. Under ma every thought and answer trains,
-    so more tokens than the answers' alone. grpo.py's functions are its own again after each run."""
+def test_mechanism_real_curves_count_seconds_and_tokens_to_each_eval(tmp_path):
+    """The SmolLM2 curves' bookkeeping on the tiny model, one seed, 3 steps with an eval after each. Each step
+    gets one sampling line, its seconds inside time/step, and the tokens it counts agree with what grpo.py logs:
+    completion_length × the rows sampled (prompts_drawn × G), fewer trained only where rows were dropped; under ma
+    every thought and answer trains, so more tokens than the answers' alone. A curve's point at an eval holds the
+    time/step and the sampled tokens summed over the steps before it. grpo.py's functions are its own again."""
     batch_weights, rollouts = grpo.batch_weights, dict(grpo.ROLLOUTS)
-    base = ["--prompts-per-step", "4", "--eval-limit", "8", "--eval-samples", "4", "--eval-every", "0",
-            "--save-every", "0"]
-    runs = {"GRPO G=16": ["--num-generations", "4"], "ma": ["--variant", "ma", "--num-answers", "2"],
+    base = ["--prompts-per-step", "4", "--eval-limit", "8", "--eval-samples", "4", "--eval-every", "1",
+            "--steps", "3", "--save-every", "0"]
+    runs = {"grpo": ["--num-generations", "4"], "ma": ["--variant", "ma", "--num-answers", "2"],
             "ds": ["--num-generations", "4", "--dynamic-sampling", "--max-gen-batches", "2"]}
-    out = mechanisms.real_experiments(1, 2, base, runs, tmp_path)
+    out = mechanisms.real_experiments(1, runs, base, tmp_path)
     assert grpo.batch_weights is batch_weights and grpo.ROLLOUTS == rollouts
     for name, [(steps, evals)] in out.items():
-        assert [r["step"] for r in steps] == [1, 2] and len(evals) == 2
+        assert [r["step"] for r in steps] == [1, 2, 3] and [e["step"] for e in evals] == [0, 1, 2, 3]
         for r in steps:
             assert 0 < r["sample_s"] < r["time/step"]
             if name == "ma":  # completion_length is the answers': P K (1 - unclosed) M of them
@@ -2539,12 +2540,37 @@ def test_mechanism_real_table_times_sampling_and_counts_tokens(tmp_path):
             else:
                 assert r["sampled"] == pytest.approx(r["completion_length"] * r.get("prompts_drawn", 4) * 4)
                 assert (r["trained"] < r["sampled"]) == (r.get("frac_dropped", 0) > 0)
-    ma = out["ma"][0][0]
-    table = mechanisms.real_tables(out)
-    ratio = statistics.median(r["time/step"] for r in ma) / statistics.median(
-        r["time/step"] for r in out["GRPO G=16"][0][0])
-    assert f"- ma: step time / GRPO G=16's, seed by seed: {ratio:.3f}" in table
-    assert table.count("\n| ") == 4  # before, and a row per run
+        points = mechanisms.curve(steps, evals)
+        assert [p.step for p in points] == [0, 1, 2, 3] and points[0].seconds == points[0].tokens == 0
+        for p in points[1:]:
+            assert p.seconds == pytest.approx(sum(r["time/step"] for r in steps[:p.step]))
+            assert p.tokens == sum(r["sampled"] for r in steps[:p.step])
+            assert (p.greedy, p.pass1) == (evals[p.step]["eval"]["greedy"], evals[p.step]["eval"]["pass@1"])
+    assert "| grpo | " in mechanisms.curves_table(out) and mechanisms.curves_table(out).count("\n| ") == 4
+
+
+def test_mechanism_time_to_a_target_reads_the_curve_and_counts_a_run_that_never_reaches_it():
+    """time_to takes the first eval at or above the target; at_time the last eval at or before a time; the median
+    counts a run that never reaches the target as slower than any that does. In the table, a scheme whose middle
+    run never reaches it says so, with the count of runs that did."""
+    P = mechanisms.Point
+    fast = [P(0, 0.0, 0, 0.1, 0.1), P(4, 40.0, 400, 0.8, 0.5), P(8, 80.0, 800, 0.9, 0.7)]
+    slow = [P(0, 0.0, 0, 0.1, 0.1), P(4, 50.0, 500, 0.5, 0.3), P(8, 100.0, 1000, 0.75, 0.6)]
+    never = [P(0, 0.0, 0, 0.1, 0.1), P(4, 45.0, 450, 0.4, 0.2), P(8, 90.0, 900, 0.7, 0.4)]
+    assert mechanisms.time_to(fast, 0.75).step == 4 and mechanisms.time_to(slow, 0.75).seconds == 100.0
+    assert mechanisms.time_to(never, 0.75) is None
+    assert mechanisms.at_time(slow, 80.0).greedy == 0.5 and mechanisms.at_time(fast, 80.0).greedy == 0.9
+    assert mechanisms.median_or_none([40.0, 100.0, None]) == 100.0
+    assert mechanisms.median_or_none([40.0, None, None]) is None
+    assert mechanisms.median_or_none([40.0, 100.0]) == 70.0 and mechanisms.median_or_none([40.0, None]) is None
+
+    def as_run(points):  # the step and eval lines of a run whose every step takes 10 s and samples 100 tokens
+        steps = [{"step": s, "time/step": 10.0, "sampled": 100} for s in range(1, 9)]
+        return steps, [{"step": p.step, "eval": {"greedy": p.greedy, "pass@1": p.pass1}} for p in points]
+    table = mechanisms.curves_table({"a": [as_run(fast), as_run(slow), as_run(never)],
+                                     "b": [as_run(never), as_run(never), as_run(fast)]})
+    assert "| a | 2 of 3 | 80 | 800 | " in table and "| b | 1 of 3 | not reached | not reached |" in table
+    assert "- a: seconds to greedy 0.75 by seed: 40, 80, not reached" in table
 
 
 def test_mechanism_real_table_reads_the_last_sampling_line_of_a_step(tmp_path):
@@ -2555,18 +2581,18 @@ def test_mechanism_real_table_reads_the_last_sampling_line_of_a_step(tmp_path):
     assert steps == [{"step": 1, "loss": 0.0, "sample_s": 2}] and evals == [{"step": 1, "eval": {}}]
 
 
-def test_mechanism_real_flag_prints_the_real_table_and_draws_nothing(monkeypatch, capsys, tmp_path):
-    """--real runs real_experiments with --seeds and prints its table, without matplotlib or the figure."""
-    step = {"step": 1, "time/step": 4.0, "sample_s": 1.0, "sampled": 8, "trained": 8, "grad_norm": 1.0,
-            "frac_reward_zero_std": 0.5}
-    evals = [{"eval": {"greedy": 0.0, "pass@1": 0.0, "pass@4": 0.0}}] * 2
+def test_mechanism_real_flag_prints_the_closed_share_and_the_table_and_draws_the_curves(monkeypatch, capsys):
+    """--real measures the closed share, runs real_experiments with --seeds, prints its table and draws the curves
+    into data/smollm2-curves.png."""
     calls = []
-    monkeypatch.setattr(mechanisms, "real_experiments", lambda seeds: calls.append(seeds) or {
-        "GRPO G=16": [([step], evals)]})
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it would fail
-    mechanisms.main(["--real", "--seeds", "1", "--out", str(tmp_path / "figure.png")])
-    assert calls == [1] and "| GRPO G=16 | 4.0 | 1.0 | 3.0 | 8 | 8 | 0.500 |" in capsys.readouterr().out
-    assert not (tmp_path / "figure.png").exists()
+    monkeypatch.setattr(mechanisms, "closed_share", lambda: {48: 0.5, 96: 0.9})
+    monkeypatch.setattr(mechanisms, "real_experiments", lambda seeds: calls.append(seeds) or {"x": []})
+    monkeypatch.setattr(mechanisms, "curves_table", lambda out: "TABLE")
+    monkeypatch.setattr(mechanisms, "draw_curves", lambda out, path: calls.append(path.name))
+    mechanisms.main(["--real", "--seeds", "2"])
+    printed = capsys.readouterr().out
+    assert calls == [2, "smollm2-curves.png"] and "0.500 within 48 tokens, 0.900 within 96 tokens" in printed
+    assert "TABLE" in printed
 
 
 def test_mechanism_f_the_tree_counts_target_samples():

@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -173,21 +174,41 @@ def experiments(seeds: int):
     return out
 
 # -----------------------------------------------------------------------------
-# The real model: SmolLM2-135M-Instruct on one-digit sums, token-bound where the tiny model is launch-bound
+# The real model: time to accuracy on SmolLM2-135M-Instruct, token-bound where the tiny model is launch-bound
 
+TARGET = 0.75  # the greedy accuracy on the 24 test sums that each run's time is measured to
+THOUGHT_LIMITS = (48, 64, 96)  # the thought limits whose closed share is measured before training
 SMOLLM2 = ["--model", str(HERE / "smollm2"), "--data", str(HERE / "sums" / "train.jsonl"), "--test-data",
            str(HERE / "sums" / "test.jsonl"), "--response-prefix", "<think>", "--reward-fn",
-           f"{HERE / 'rewards.py'}:last_number", "--prompts-per-step", "2", "--lr", "1e-5", "--warmup-steps", "0",
-           "--max-new-tokens", "64", "--eval-samples", "4", "--eval-every", "0", "--save-every", "0"]
-# 16 scored answers a question in every run; GRPO-MA's thought and answer add up to GRPO's 64 tokens
-MA, TA, LAMBDA = (["--variant", "ma", "--num-thoughts", "4", "--num-answers", "4", "--max-new-tokens", "48",
-                   "--max-answer-tokens", "16"], ["--variant", "ta", "--num-rephrasings", "3",
-                                                  "--num-generations", "4"], ["--lambda-weights"])
-REAL_RUNS = {"GRPO G=16": ["--num-generations", "16"], "GRPO-MA T4A4": MA, "TA-GRPO N=3 G=4": TA,
-             "GRPO G=16 + λ": ["--num-generations", "16"] + LAMBDA,
-             "GRPO G=16 + dynamic sampling": ["--num-generations", "16", "--dynamic-sampling",
-                                              "--max-gen-batches", "2"],
-             "GRPO-MA T4A4 + λ": MA + LAMBDA, "TA-GRPO N=3 G=4 + λ": TA + LAMBDA}
+           f"{HERE / 'rewards.py'}:last_number", "--prompts-per-step", "8", "--lr", "1e-5", "--warmup-steps", "0",
+           "--steps", "16", "--eval-every", "4", "--eval-samples", "4", "--save-every", "8"]
+# 8 scored answers a question in every run; GRPO's completion may be as long as GRPO-MA's thought and answer
+THOUGHT, ANSWER = 96, 16
+GRPO = ["--num-generations", "8", "--max-new-tokens", str(THOUGHT + ANSWER)]
+MA = ["--variant", "ma", "--num-thoughts", "4", "--num-answers", "2", "--max-new-tokens", str(THOUGHT),
+      "--max-answer-tokens", str(ANSWER)]
+TA = ["--variant", "ta", "--num-rephrasings", "3", "--num-generations", "2", "--max-new-tokens", str(THOUGHT + ANSWER)]
+CURVES = {"GRPO G=8": GRPO, "GRPO-MA T4A2": MA, "TA-GRPO N=3 G=2": TA, "GRPO G=8 + λ": GRPO + ["--lambda-weights"],
+          "GRPO G=8 + dynamic sampling": GRPO + ["--dynamic-sampling", "--max-gen-batches", "3"],
+          "GRPO-MA T4A2 + λ": MA + ["--lambda-weights"], "TA-GRPO N=3 G=2 + λ": TA + ["--lambda-weights"]}
+PAPERS = {"GRPO-MA T4A2": "T4A4 as good as T16A1 in 40% less training time",
+          "TA-GRPO N=3 G=2": "pass@32 +4.97 over GRPO (Qwen3-1.7B)",
+          "GRPO G=8 + λ": "peak validation accuracy in under half the steps"}
+
+
+def closed_share(limits=THOUGHT_LIMITS, K: int = 4, seed: int = 0, folder=HERE / "smollm2",
+                 data=HERE / "sums" / "train.jsonl") -> dict:
+    """The share of GRPO-MA's thoughts that close within each limit, before training: K thoughts of every
+    training question after the prefix <think>, sampled at T = 1 with the longest limit. A thought closes within a
+    limit if it ends on </think> with at most that many tokens, which is what a shorter limit would have kept."""
+    cfg = grpo.Config(model=str(folder), response_prefix="<think>")
+    model, tok = grpo.load_model(cfg.model, torch.device("cpu"))
+    prompts = [grpo.prompt_ids(tok, cfg, ex["question"]) for ex in grpo.load_jsonl(data)]
+    torch.manual_seed(seed)
+    s = grpo.generate(model, tok, prompts, K, max(limits), stop_strings=["</think>"])
+    closed = torch.tensor(["</think>" in t for t in grpo.decode(tok, s.completion_ids, s.completion_mask)])
+    lengths = s.completion_mask.sum(1)
+    return {limit: (closed & (lengths <= limit)).float().mean().item() for limit in limits}
 
 
 @contextlib.contextmanager
@@ -236,51 +257,111 @@ def read_real_run(folder: Path):
     return [r | sampling[r["step"]] for r in steps], evals
 
 
-def real_experiments(seeds: int, steps: int = 4, base=SMOLLM2, runs=None, root=RUNS.parent / "smollm2"):
-    """Every run of the real-model table, each variant's seeds in a row, into data/variants/smollm2/. A run that
-    finished there is reused, and one that was cut off starts again."""
+def real_experiments(seeds: int, runs=None, base=SMOLLM2, root=RUNS.parent / "smollm2-curves"):
+    """Every run of the curves, each scheme's seeds in a row, into data/variants/smollm2-curves/. A finished run
+    is reused, and one that was cut off resumes from its last checkpoint."""
     out = {}
-    for name, flags in (runs or REAL_RUNS).items():
+    for name, flags in (runs or CURVES).items():
         out[name] = []
         for seed in range(seeds):
             folder = root / f"{name.replace(' ', '_')}-{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
             with sampling_log(folder / "sampling.jsonl"):
-                grpo.main(base + flags + ["--steps", str(steps), "--seed", str(seed), "--out", str(folder),
-                                          "--resume", "--log-completions", "0"])
+                grpo.main(base + flags + ["--seed", str(seed), "--out", str(folder), "--resume",
+                                          "--log-completions", "0"])
             out[name].append(read_real_run(folder))
     return out
 
 
-def real_tables(out) -> str:
-    """The real-model table: mean ± standard deviation over seeds of each run's median step, means over steps,
-    and the evals after. Spikes count among the steps with a gradient: a step whose groups all lack signal has
-    grad_norm 0 (NaN where no row trains), and a median of 0 would make every other step a spike."""
-    median = lambda steps, key: statistics.median(r[key] for r in steps)
-    mean = lambda steps, key: statistics.mean(r.get(key, math.nan) for r in steps)
-    lines = ["| run | s a step | sampling | the rest | tokens sampled a step | trained | groups without signal "
-             "| q0's own | spikes | greedy after | pass@1 after | pass@4 after |",
-             "|---|" + "---|" * 11]
-    before = [e[0]["eval"] for _, e in next(iter(out.values()))]  # a seed's eval before is every run's
-    lines.append("| before | | | | | | | | | " + " | ".join(mean_sd([b[k] for b in before])
-                                                          for k in ("greedy", "pass@1", "pass@4")) + " |")
-    for name, runs in out.items():
-        cols = [[median(s, "time/step") for s, _ in runs], [median(s, "sample_s") for s, _ in runs],
-                [median(s, "time/step") - median(s, "sample_s") for s, _ in runs],
-                [mean(s, "sampled") for s, _ in runs], [mean(s, "trained") for s, _ in runs],
-                [mean(s, "frac_reward_zero_std") for s, _ in runs],
-                [mean(s, "frac_reward_zero_std_q0") for s, _ in runs],
-                [spike_share([r["grad_norm"] for r in s if r["grad_norm"] > 0] or [0]) for s, _ in runs]]
-        cols += [[e[-1]["eval"][k] for _, e in runs] for k in ("greedy", "pass@1", "pass@4")]
-        formats = [".1f"] * 3 + [".0f"] * 2 + [".3f"] * 6
-        lines.append(f"| {name} | " + " | ".join("" if math.isnan(c[0]) else mean_sd(c, f)
-                                                 for c, f in zip(cols, formats)) + " |")
-    grpo_runs = out["GRPO G=16"]
-    for name, runs in out.items():
-        ratios = [median(s, "time/step") / median(g, "time/step") for (s, _), (g, _) in zip(runs, grpo_runs)]
-        lines.append(f"- {name}: step time / GRPO G=16's, seed by seed: {mean_sd(ratios)}; rows dropped "
-                     f"{mean_sd([mean(s, 'frac_dropped') for s, _ in runs])}, questions drawn a step "
-                     f"{mean_sd([mean(s, 'prompts_drawn') for s, _ in runs])}")
+class Point(NamedTuple):
+    """A run at one of its evals: the steps done, the training seconds (time/step summed over those steps, the
+    evals left out) and the tokens sampled up to it, and the eval's greedy accuracy and pass@1."""
+    step: int
+    seconds: float
+    tokens: int
+    greedy: float
+    pass1: float
+
+
+def curve(steps, evals) -> list[Point]:
+    """A run's eval points, in order, from the step lines (with their sampling lines) and the eval lines."""
+    points = []
+    for e in evals:
+        done = [r for r in steps if r["step"] <= e["step"]]
+        points.append(Point(e["step"], sum(r["time/step"] for r in done), sum(r["sampled"] for r in done),
+                            e["eval"]["greedy"], e["eval"]["pass@1"]))
+    return points
+
+
+def time_to(points, target: float = TARGET):
+    """The first point whose greedy accuracy reaches the target, or None for a run that never reaches it."""
+    return next((p for p in points if p.greedy >= target), None)
+
+
+def at_time(points, seconds: float) -> Point:
+    """The last point at or before that many training seconds: what the run had reached by then."""
+    return [p for p in points if p.seconds <= seconds][-1]
+
+
+def median_or_none(values):
+    """The median of values in which None (a run that never got there) counts as larger than any number: None
+    if the middle run never got there."""
+    ranked = sorted(values, key=lambda v: math.inf if v is None else v)
+    middle = ranked[(len(ranked) - 1) // 2:len(ranked) // 2 + 1]
+    return None if None in middle else statistics.mean(middle)
+
+
+def curves_table(out, target: float = TARGET) -> str:
+    """The time-to-accuracy table: for each scheme, how many runs reached the target greedy accuracy, the median
+    training seconds and tokens sampled to it, each run's accuracy at the same training time (the shortest run's
+    whole training time, so every run has a curve up to it), the accuracy at the end and the median step."""
+    curves = {name: [curve(*run) for run in runs] for name, runs in out.items()}
+    equal = min(c[-1].seconds for runs in curves.values() for c in runs)
+    fmt = lambda v, f: "not reached" if v is None else format(v, f)
+    lines = [f"Training seconds exclude the evals. Equal time: {equal:.0f} s, the shortest run's whole training.",
+             "", f"| scheme | runs that reach greedy {target} | median s to it | median tokens to it | greedy at "
+             f"{equal:.0f} s | pass@1 at {equal:.0f} s | greedy at the end | pass@1 at the end | s a step | "
+             "the paper's figure |", "|---|" + "---|" * 9]
+    for name, runs in curves.items():
+        reached = [time_to(c, target) for c in runs]
+        at, end = [at_time(c, equal) for c in runs], [c[-1] for c in runs]
+        step_s = [statistics.median(r["time/step"] for r in steps) for steps, _ in out[name]]
+        lines.append(f"| {name} | {sum(p is not None for p in reached)} of {len(runs)} | "
+                     f"{fmt(median_or_none([p and p.seconds for p in reached]), '.0f')} | "
+                     f"{fmt(median_or_none([p and p.tokens for p in reached]), ',.0f')} | "
+                     f"{mean_sd([p.greedy for p in at])} | {mean_sd([p.pass1 for p in at])} | "
+                     f"{mean_sd([p.greedy for p in end])} | {mean_sd([p.pass1 for p in end])} | "
+                     f"{mean_sd(step_s, '.1f')} | {PAPERS.get(name, '')} |")
+    before = [c[0] for runs in curves.values() for c in runs]
+    lines.append(f"- before training: greedy {mean_sd([p.greedy for p in before])}, pass@1 "
+                 f"{mean_sd([p.pass1 for p in before])}")
+    for name, runs in curves.items():
+        lines.append(f"- {name}: seconds to greedy {target} by seed: " + ", ".join(
+            fmt(p and p.seconds, ".0f") for p in (time_to(c, target) for c in runs)))
     return "\n".join(lines)
+
+
+def draw_curves(out, path: Path, target: float = TARGET):
+    """Greedy accuracy against training seconds, a colour per scheme: each seed a thin line, and the median over
+    seeds at each eval (of the seconds and of the accuracy) a thick one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, (name, runs) in enumerate(out.items()):
+        curves = [curve(*run) for run in runs]
+        color = f"C{i}"
+        for c in curves:
+            ax.plot([p.seconds for p in c], [p.greedy for p in c], color=color, alpha=0.3, lw=0.8)
+        ax.plot([statistics.median(p.seconds for p in ps) for ps in zip(*curves)],
+                [statistics.median(p.greedy for p in ps) for ps in zip(*curves)], color=color, lw=2.5, label=name)
+    ax.axhline(target, color="k", ls=":", lw=1)
+    ax.set(xlabel="training seconds (2 CPU cores; evals left out)", ylabel="greedy accuracy, 24 test sums",
+           ylim=(0, 1), title="SmolLM2-135M-Instruct on one-digit sums: thin, each seed; thick, the median")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 # -----------------------------------------------------------------------------
 # The figure and its numbers
@@ -395,12 +476,17 @@ def draw(out, path: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Measure each paper's mechanism and draw data/mechanisms.png.")
     parser.add_argument("--out", default=str(HERE / "mechanisms.png"))
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of panels (a), (d) and (e)")
-    parser.add_argument("--real", action="store_true", help="instead, the table of SmolLM2-135M-Instruct "
-                        "(after data/prepare.py smollm2): 21 runs, ~90 min on 2 cores")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of panels (a), (d) and (e), or of --real")
+    parser.add_argument("--real", action="store_true", help="instead, SmolLM2-135M-Instruct's time to accuracy "
+                        "(after data/prepare.py smollm2): 21 runs, ~2.5 h on 2 cores, and data/smollm2-curves.png")
     args = parser.parse_args(argv)
     if args.real:
-        print(real_tables(real_experiments(args.seeds)))
+        shares = closed_share()
+        print("thoughts closed before training: " + ", ".join(f"{shares[n]:.3f} within {n} tokens" for n in shares))
+        out = real_experiments(args.seeds)
+        print(curves_table(out))
+        draw_curves(out, HERE / "smollm2-curves.png")
+        print(f"wrote {HERE / 'smollm2-curves.png'}")
         return
     try:
         import matplotlib  # noqa: F401
