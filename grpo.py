@@ -22,14 +22,13 @@ One GRPO step, as train runs it:
     KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 is Schulman's k3 estimator of the KL
     divergence to the reference, a frozen copy of the model.
 
-The variants change what a row holds: its context, its advantage A and its token weights w.
-A token's w is its share of the whole batch, so update() needs no normaliser.
-
+Each variant changes what a row holds, which is its context, its advantage A and its weights w:
     grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
     ma      K thoughts of q, M answers to each; A(th) from V(th)    GRPO-MA, arXiv 2509.24494
     ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
     --dynamic-sampling, with any: drop the groups without signal   DAPO, arXiv 2503.14476
+A token's w is its share of the whole batch, so update() needs no normaliser.
 
 Each symbol has one meaning:
     B rows of a batch, C completion tokens a row, P questions a step, G samples a question, W ranks
@@ -57,7 +56,7 @@ from tqdm import tqdm
 #     A = group_advantages(rewards, group_ids)          # or ma_advantages, ta_advantages
 #     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(...)
 #     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
-def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
+def group_advantages(rewards, groups, scale="group", eps=1e-4):
     """GRPO's advantages. Each reward is normalised within its group, the rows with its group id.
     The B rewards are floats, and the B group ids run from 0 to n-1. The std is unbiased, as TRL's.
 
@@ -81,7 +80,7 @@ def group_advantages(rewards, groups, scale: str = "group", eps: float = 1e-4):
     low = torch.full_like(n, math.inf).scatter_reduce(0, groups, rewards, "amin")
     return torch.where(torch.isclose(high, low)[groups], 0.0, adv)
 
-def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group", eps: float = 1e-4):
+def ma_advantages(rewards, answer_thought, thought_question, scale="group", eps=1e-4):
     """GRPO-MA's advantages, from the answers' rewards, each answer's thought and each thought's
     question. The function returns A(th), A(ans) and V:
         V(th)   = the mean reward of the answers to th, or 0 if th never closed (our choice)
@@ -99,13 +98,13 @@ def ma_advantages(rewards, answer_thought, thought_prompt, scale: str = "group",
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
     To copy GRPO-MA, also take the rows of rollout_ma and the two loss parts of batch_weights."""
-    answers = torch.bincount(answer_thought, minlength=len(thought_prompt)).to(rewards.dtype)
+    answers = torch.bincount(answer_thought, minlength=len(thought_question)).to(rewards.dtype)
     values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
-    thought_adv = group_advantages(values, thought_prompt, scale, eps)
-    answer_adv = group_advantages(rewards, thought_prompt[answer_thought], scale, eps)
+    thought_adv = group_advantages(values, thought_question, scale, eps)
+    answer_adv = group_advantages(rewards, thought_question[answer_thought], scale, eps)
     return thought_adv, answer_adv, values
 
-def ta_advantages(rewards, question, scale: str = "group", eps: float = 1e-4):
+def ta_advantages(rewards, question, scale="group", eps=1e-4):
     """TA-GRPO's advantages are GRPO's, with one group for each original question q0. So the G
     responses to q0 and the G responses to each of its N rephrasings form one group of (N+1)·G.
 
@@ -299,11 +298,12 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 
         prefill     one pass over the P prompts fills the KV cache; each prompt's cache and last
                     logits are then copied to its n rows, so the batch has B = P·n rows
-        each step   every row draws a token, and one decoder pass on those B tokens gives the
-                    next logits; a row that has ended draws pad tokens that its mask leaves out
+        each step   each running row draws a token, and one decoder pass on those tokens gives
+                    the next logits; a row that ends leaves the batch and the cache
+        running     the rows of `out` in the batch; with B = 3, if row 1 ends, [0 1 2] -> [0 2]
 
-    Every step decodes all B rows, so the shapes stay the same from step to step, as a captured
-    GPU decode needs. The loop stops when every row has ended."""
+    A batch that keeps its ended rows, masked, would keep its shape, as a captured GPU decode
+    needs. On a CPU it cost SmolLM2 1.28 times the sampling time (RESULTS.md), so they leave."""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         empty = torch.zeros(0, 0, dtype=torch.long)
         return Samples(empty, empty, torch.zeros(0, dtype=torch.bool))
@@ -319,23 +319,24 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
     logits, mask = logits[index], mask[index]  # (B, vocab), (B, L)
     B, eos = len(index), torch.tensor(eos_ids(model, tokenizer), device=device)
     out = torch.full((B, max_new_tokens), tokenizer.pad_token_id, device=device)
-    ended = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) rows that have ended
-    finished, lengths, texts = torch.zeros_like(ended), torch.zeros_like(index), [""] * B
+    lengths, finished, texts = torch.zeros_like(index), torch.zeros_like(index).bool(), [""] * B
+    running = torch.arange(B, device=device)
     for t in range(max_new_tokens):
         token = logits.argmax(-1) if greedy else torch.multinomial(
             (logits / temperature).softmax(-1), 1).squeeze(-1)
-        token = token.masked_fill(ended, tokenizer.pad_token_id)  # (B,) an ended row draws pad
-        out[:, t] = token
-        lengths += ~ended  # the rows still running count this token
-        ends_now = ~ended & torch.isin(token, eos)
-        finished |= ends_now
-        for row in (~ended).nonzero().flatten().tolist() if stop_strings else []:
-            texts[row] += tokenizer.decode(token[row:row + 1], skip_special_tokens=True)
-            ends_now[row] |= any(s in texts[row] for s in stop_strings)  # GRPO-MA's thoughts
-        ended |= ends_now
-        if ended.all() or t + 1 == max_new_tokens:
+        out[running, t] = token  # token[i] and ends[i] belong to row running[i] of out
+        lengths[running] += 1
+        ends = torch.isin(token, eos)
+        finished[running[ends]] = True
+        for i, row in enumerate(running.tolist() if stop_strings else []):
+            texts[row] += tokenizer.decode(token[i:i + 1], skip_special_tokens=True)
+            ends[i] |= any(s in texts[row] for s in stop_strings)  # GRPO-MA's thoughts
+        if ends.any():  # the rows that ended leave the batch and the cache
+            running, mask, token = running[~ends], mask[~ends], token[~ends]
+            cache.batch_select_indices((~ends).nonzero().squeeze(1))
+        if not len(running) or t + 1 == max_new_tokens:
             break
-        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        mask = torch.cat([mask, mask.new_ones(len(running), 1)], 1)
         logits = model.lm_head(run_decoder(model, token[:, None], mask, cache)[:, -1]).float()
     model.train(was_training)
     C = int(lengths.max())
@@ -421,31 +422,31 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
     thoughts = generate(model, tokenizer, prompts, K, cfg.max_new_tokens, cfg.temperature,
                         stop_strings=["</think>"])  # P·K rows
-    thought_prompt = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: a thought's question
+    thought_question = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: each one's question
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
     after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what a thought's answers follow
-             zip(thought_prompt, thoughts.completion_ids, thoughts.completion_mask)]
+             zip(thought_question, thoughts.completion_ids, thoughts.completion_mask)]
     answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
                        cfg.max_answer_tokens, cfg.temperature)  # one row per answer_thought
     answer_texts = decode(tokenizer, answers.completion_ids, answers.completion_mask)
     texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
-    answer_prompt = thought_prompt[answer_thought]  # [0 0 0 0]: an answer's question
-    rewards = score_batch(cfg, [batch[p] for p in answer_prompt], texts, answers.finished)
-    thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_prompt,
+    answer_question = thought_question[answer_thought]  # [0 0 0 0]: an answer's question
+    rewards = score_batch(cfg, [batch[p] for p in answer_question], texts, answers.finished)
+    thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_question,
                                                     cfg.scale_rewards)
     # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
     thought_rows = Rows(
-        contexts=[prompts[p] for p in thought_prompt], completion_ids=thoughts.completion_ids,
+        contexts=[prompts[p] for p in thought_question], completion_ids=thoughts.completion_ids,
         completion_mask=thoughts.completion_mask, advantages=thought_adv, outcomes=values,
-        questions=thought_prompt, parts=torch.zeros_like(thought_prompt),
+        questions=thought_question, parts=torch.zeros_like(thought_question),
         off_policy=torch.zeros_like(closed))
     answer_rows = Rows(
         contexts=[after[k] for k in answer_thought], completion_ids=answers.completion_ids,
         completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
-        questions=answer_prompt, parts=torch.ones_like(answer_prompt),
-        off_policy=torch.zeros_like(answer_prompt, dtype=torch.bool))
+        questions=answer_question, parts=torch.ones_like(answer_question),
+        off_policy=torch.zeros_like(answer_question, dtype=torch.bool))
     rows = cat_rows([thought_rows, answer_rows])
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
     metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 1],
@@ -510,15 +511,14 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts summed
     over the ranks, so w is the token's share of the whole batch. Each part of J is aggregated
     alone with its own length limit, unless --ma-weighting tokens pools them with the longer one."""
-    num_rows, num_tokens = counts.T  # (2,) each: the rows and the tokens of each part
     parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
     if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
-        parts, num_rows, num_tokens = 0 * parts, num_rows.sum(0, True), num_tokens.sum(0, True)
-        limits = [max(limits)]
+        parts, counts, limits = 0 * parts, counts.sum(0, keepdim=True), [max(limits)]
     weights = torch.zeros(rows.completion_mask.shape)
     for p, limit in enumerate(limits):
+        num_rows, num_tokens = counts[p].tolist()  # every rank's rows and tokens in part p
         weights[parts == p] = aggregation_weights(rows.completion_mask[parts == p], cfg.loss_type,
-                                                  num_rows[p].item(), num_tokens[p].item(), limit)
+                                                  num_rows, num_tokens, limit)
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):

@@ -2493,12 +2493,12 @@ def test_mechanism_a_spread_of_a_thought_advantage_follows_its_formula():
     / M), so it falls as 1/√M (ratio 0.98 at M = 16, 1.00 at 64). At M = 1 it is below it: the std over only
     K values bounds a normalised advantage (ratio 0.69)."""
     p = torch.tensor([0.1, 0.4, 0.6, 0.9, 0.2, 0.5, 0.7, 0.95])
-    thought_prompt = groups_of(4, 8)
+    thought_question = groups_of(4, 8)
     g = torch.Generator().manual_seed(0)
     draw = lambda M: (torch.rand(len(p), M, generator=g) < p[:, None]).float().reshape(-1)
-    jacobian = torch.autograd.functional.jacobian(lambda v: grpo.group_advantages(v, thought_prompt), p)
+    jacobian = torch.autograd.functional.jacobian(lambda v: grpo.group_advantages(v, thought_question), p)
     for M in (1, 16, 64):
-        a, v = mechanisms.thought_advantage_spread(draw, thought_prompt, M, repeats=4000)
+        a, v = mechanisms.thought_advantage_spread(draw, thought_question, M, repeats=4000)
         assert v == pytest.approx(math.sqrt((p * (1 - p)).mean().item() / M), rel=0.03)
         delta = ((jacobian ** 2 * p * (1 - p)).sum(1) / M).mean().sqrt().item()
         assert a == pytest.approx(delta, rel=0.03) if M > 1 else 0.6 * delta < a < 0.8 * delta, (M, a, delta)
@@ -3202,15 +3202,14 @@ def test_grpo_ma_trains_the_real_model_after_a_response_prefix(smollm2, tmp_path
 
 
 def test_grpo_trains_the_real_model(smollm2, tmp_path):
-    """Four steps of GRPO (P = 4 x G = 8, 24 new tokens, lr 5e-5, last-number reward) on single-digit sums:
-    held-out accuracy rises. Seeds 0 to 3 gained 0.10, 0.70, 0.26 and 0.14 in pass@1 here (issue 66); with three
-    steps, three of the four seeds had too few right samples to learn. The model learns to finish with the sum
-    instead of explaining past the length limit."""
+    """Three steps of GRPO (P = 4 x G = 8, 24 new tokens, lr 5e-5, last-number reward) on single-digit sums:
+    held-out accuracy rises. Seeds 0 to 3 gained 0.34, 0.28, 0.77 and 0.26 in pass@1 here (issue 66). The model
+    learns to finish with the sum instead of explaining past the length limit."""
     sums = smollm2 / "sums"
     summary = grpo.main(["--model", str(smollm2 / "model"), "--data", str(sums / "train.jsonl"), "--test-data",
                          str(sums / "test.jsonl"), "--system-prompt", "", *LAST_NUMBER,
                          "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "24", "--lr", "5e-5",
-                         "--warmup-steps", "0", "--steps", "4", "--eval-every", "0", "--eval-samples", "4",
+                         "--warmup-steps", "0", "--steps", "3", "--eval-every", "0", "--eval-samples", "4",
                          "--out", str(tmp_path)])
     before, after = summary["before"], summary["after"]
     assert after["pass@1"] >= before["pass@1"] + 0.1 and after["greedy"] > before["greedy"]
@@ -3242,6 +3241,67 @@ GSM8K_TEST_HEAD = [
      "download, Windows forces a restart to install updates, which takes 20 minutes. Then Carla has to restart the "
      "download from the beginning. How load does it take to download the file?", "160"),
 ]
+
+
+@torch.no_grad()
+def generate_static(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, stop_strings=()):
+    """grpo.generate with a batch of fixed shape: a row that ends stays in the batch and draws pad tokens that its
+    mask leaves out, as a captured GPU decode would need (issue 66 tried it and kept eviction)."""
+    model.eval()
+    ids, mask = grpo.pad_ids(prompts, tokenizer.pad_token_id)
+    cache = transformers.DynamicCache()
+    logits = model.lm_head(grpo.run_decoder(model, ids, mask, cache)[:, -1]).float()
+    index = torch.arange(len(prompts)).repeat_interleave(n)
+    cache.reorder_cache(index)
+    logits, mask = logits[index], mask[index]
+    B, eos = len(index), torch.tensor(grpo.eos_ids(model, tokenizer))
+    out = torch.full((B, max_new_tokens), tokenizer.pad_token_id)
+    ended, finished, lengths, texts = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool), \
+        torch.zeros(B, dtype=torch.long), [""] * B
+    for t in range(max_new_tokens):
+        token = torch.multinomial((logits / temperature).softmax(-1), 1).squeeze(-1)
+        token = token.masked_fill(ended, tokenizer.pad_token_id)
+        out[:, t], lengths = token, lengths + ~ended
+        ends_now = ~ended & torch.isin(token, eos)
+        finished |= ends_now
+        for row in (~ended).nonzero().flatten().tolist() if stop_strings else []:
+            texts[row] += tokenizer.decode(token[row:row + 1], skip_special_tokens=True)
+            ends_now[row] |= any(s in texts[row] for s in stop_strings)
+        ended |= ends_now
+        if ended.all() or t + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        logits = model.lm_head(grpo.run_decoder(model, token[:, None], mask, cache)[:, -1]).float()
+    C = int(lengths.max())
+    return grpo.Samples(completion_ids=out[:, :C], completion_mask=(torch.arange(C) < lengths[:, None]).long(),
+                        finished=finished)
+
+
+@bench
+def test_bench_sampler_evicts_ended_rows_on_smollm2(smol):
+    """GRPO_BENCH=1 python -m pytest -q -s -k evicts_ended: grpo.generate, whose ended rows leave the batch, against
+    generate_static, whose batch keeps its shape, on SmolLM2: the README recipe's thoughts (8 questions × 4, at most
+    48 tokens, stop at </think>) and an eval chunk (24 test sums × 4 samples, at most 64 tokens), seeds 0-2 in turn,
+    medians. The tokens each sampled are printed too: the two draw from the same distribution."""
+    model, tok = smol
+    cfg = grpo.Config(response_prefix="<think>")
+    train = grpo.load_jsonl(HERE / "data" / "sums" / "train.jsonl")
+    test = grpo.load_jsonl(HERE / "data" / "sums" / "test.jsonl")
+    cases = {"thoughts, 8 x 4, <= 48": ([grpo.prompt_ids(tok, cfg, e["question"]) for e in train[:8]], 4, 48,
+                                          ["</think>"]),
+             "eval chunk, 24 x 4, <= 64": ([grpo.prompt_ids(tok, cfg, e["question"]) for e in test], 4, 64, [])}
+    print("\n| case | evicting, s | static, s | static / evicting | tokens, evicting / static |\n|---|---|---|---|---|")
+    for name, (prompts, n, limit, stops) in cases.items():
+        times, tokens = {"evict": [], "static": []}, {"evict": 0, "static": 0}
+        for seed in range(3):
+            for key, sampler in (("evict", grpo.generate), ("static", generate_static)):
+                torch.manual_seed(seed)
+                start = time.perf_counter()
+                samples = sampler(model, tok, prompts, n, limit, stop_strings=stops)
+                times[key].append(time.perf_counter() - start)
+                tokens[key] += int(samples.completion_mask.sum())
+        ev, st = statistics.median(times["evict"]), statistics.median(times["static"])
+        print(f"| {name} | {ev:.2f} | {st:.2f} | {st / ev:.3f} | {tokens['evict']} / {tokens['static']} |")
 
 
 @bench

@@ -12,13 +12,16 @@ and reuses the runs that finished there, so a second call only redraws:
              G = 8: 8 samples per question either way (the question and 3 rephrasings, 2 samples each).
     λ-GRPO   (f) how often the target path is sampled on the paper's binary tree, over 250 steps.
 
-    python data/mechanisms.py --real                # SmolLM2-135M-Instruct's table (~90 min, no figure)
+    python data/mechanisms.py --real                # SmolLM2-135M-Instruct's time to accuracy (~2.5 h)
 
 The tiny model is bound by Python and kernel launches, so its cost follows decode steps. A real model's follows
-tokens, so --real measures the time claims on SmolLM2-135M-Instruct (data/prepare.py smollm2). It trains 3 seeds
-of every scheme for 4 steps of P = 2 one-digit sums, 16 scored answers a question, into data/variants/smollm2/:
-GRPO G = 16, GRPO-MA T4A4, TA-GRPO N = 3 G = 4, GRPO with λ and with dynamic sampling, and GRPO-MA and TA-GRPO
-with λ. Each step's sampling is timed apart from the rest, the weights and the update.
+tokens, so --real judges the time claims on SmolLM2-135M-Instruct (data/prepare.py smollm2), as curves of greedy
+accuracy against training seconds. It first prints the share of GRPO-MA's thoughts that close within 48, 64 and
+96 tokens before training. Then it trains 3 seeds of every scheme on one-digit sums (P = 8 questions a step, 16
+steps, an eval every 4) into data/variants/smollm2-curves/, with 8 scored answers a question in every run: GRPO
+G = 8, GRPO-MA T4A2, TA-GRPO N = 3 G = 2, GRPO with λ and with dynamic sampling, and GRPO-MA and TA-GRPO with λ.
+Each step's sampling is timed apart from the rest, and its sampled tokens are counted. It prints a table of the
+time to greedy 0.75 and of the accuracy at equal time, and draws data/smollm2-curves.png.
 
 Every scheme comes from grpo.py: runs are grpo.main, the tree's loss is grpo.policy_loss with
 grpo.group_advantages and grpo.lambda_weights, panel (a) scores with grpo.ma_advantages.
@@ -47,13 +50,13 @@ MS = (1, 2, 4, 8)
 # The quantities (each tested in test_grpo.py against a case worked by hand or a known distribution)
 
 
-def thought_advantage_spread(draw, thought_prompt, M: int, repeats: int):
+def thought_advantage_spread(draw, thought_question, M: int, repeats: int):
     """How much a thought's estimated advantage moves when its M answers are drawn afresh: the variance over
     `repeats` draws of A(th), and of V(th), averaged over the thoughts, as a standard deviation (its square root).
-    draw(M) returns the rewards of M new answers to each thought, thought-major; thought_prompt gives each
+    draw(M) returns the rewards of M new answers to each thought, thought-major; thought_question gives each
     thought's prompt, as in grpo.ma_advantages. The variance is unbiased, so the average over thoughts is too."""
-    answer_thought = torch.arange(len(thought_prompt)).repeat_interleave(M)
-    draws = [grpo.ma_advantages(draw(M), answer_thought, thought_prompt) for _ in range(repeats)]
+    answer_thought = torch.arange(len(thought_question)).repeat_interleave(M)
+    draws = [grpo.ma_advantages(draw(M), answer_thought, thought_question) for _ in range(repeats)]
     spread = lambda values: torch.stack(values).var(0).mean().sqrt().item()
     return spread([a for a, _, _ in draws]), spread([v for _, _, v in draws])
 
@@ -144,7 +147,7 @@ def ma_spread(seed: int, prompts: int = 32, K: int = 4, repeats: int = 32):
     keep = [p for p in range(prompts) if all("</think>" in texts[p * K + k] for k in range(K))]
     thoughts = [p * K + k for p in keep for k in range(K)]
     contexts = [ids[t // K] + th_ids[t, :th_mask[t].sum()].tolist() for t in thoughts]
-    thought_prompt = torch.arange(len(keep)).repeat_interleave(K)
+    thought_question = torch.arange(len(keep)).repeat_interleave(K)
 
     def draw(M):
         answers = grpo.generate(model, tok, contexts, M, cfg.max_answer_tokens, cfg.temperature)
@@ -152,7 +155,7 @@ def ma_spread(seed: int, prompts: int = 32, K: int = 4, repeats: int = 32):
         after = [texts[t] + text for t, text in zip([t for t in thoughts for _ in range(M)], answer_texts)]
         rows = [examples[t // K] for t in thoughts for _ in range(M)]
         return grpo.score_batch(cfg, rows, after, answers.finished)
-    return {M: thought_advantage_spread(draw, thought_prompt, M, repeats) for M in MS}, len(keep)
+    return {M: thought_advantage_spread(draw, thought_question, M, repeats) for M in MS}, len(keep)
 
 
 def experiments(seeds: int):
