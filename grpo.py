@@ -31,16 +31,17 @@ Each variant changes what a row holds, which is its context, its advantage A and
 A token's w is its share of the whole batch, so update() needs no normaliser.
 
 Each symbol has one meaning:
-    B rows of a batch, C completion tokens a row, P questions a step, G samples a question, W ranks
-    K thoughts a question and M answers a thought (ma); N rephrasings of the original q0 (ta)
-    A advantage, V a thought's value, w a token's weight, J the objective, ρ ratio, ε clip,
-    β KL coefficient, μ updates a batch, T temperature, λ(i,t) the rows sharing o_i's prefix
-    a group: the rows whose advantages are normalised together
+    B rows in a batch, C completion tokens per row, W ranks, T the temperature
+    P questions per step (16 by default), G samples per question (8 by default)
+    K thoughts per question and M answers per thought (ma), N rephrasings of the question q0 (ta)
+    A advantage, V a thought's value, w a token's weight, J the objective, ρ the ratio, ε the clip
+    β the KL coefficient, μ updates per batch, λ(i,t) the rows that share o_i's prefix up to t
+    group: the rows whose advantages are normalised together, such as a question's G samples
 
 What the file simplifies. One process samples, with a short KV-cache loop, and trains. π_old's
 log-probs come from the trainer's own forward pass. There is no LoRA, so the reference is a full
 copy of the model. The weighting of GRPO-MA's two loss parts is our reading of the paper, and
-TA-GRPO's rephrasings come from the data file. Under torchrun the ranks split each batch."""
+TA-GRPO's rephrasings come from the data file."""
 
 import functools, json, math, os, random, re, runpy, shutil, sys, time
 from dataclasses import dataclass, replace
@@ -185,10 +186,10 @@ def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mas
     >>> loss.backward(); loss.item(), logp.grad
     (-2.0, tensor([[-1., -1.]]))
 
-    At μ = 1 the old log-probs are logp, detached. So ρ is 1 in value, and ∂ρ/∂logp = ρ = 1. Both
-    terms of the min then give the policy gradient, ∂loss/∂logp = -w A. Each metric holds a value
-    for each token of the mask, so the metric's mean is a token mean. clip_low and clip_high are 1
-    where the clip binds, and kl (only when β > 0) is the token's KL."""
+    At μ = 1 the old log-probs are logp, detached, so ρ is 1 in value and ∂ρ/∂logp = ρ = 1. Both
+    terms of the min then equal ρ A, and torch.min splits a tie's gradient between them, so they
+    give the policy gradient, ∂loss/∂logp = -w A. Each metric holds one value per masked token:
+    clip_low and clip_high are 1 where the clip binds, and kl (β > 0) is the token's KL."""
     on = completion_mask.bool()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(on, adv, 0.0)  # (B, C), 0 off the mask
@@ -302,8 +303,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
                     the next logits; a row that ends leaves the batch and the cache
         running     the rows of `out` in the batch; with B = 3, if row 1 ends, [0 1 2] -> [0 2]
 
-    A batch that keeps its ended rows, masked, would keep its shape, as a captured GPU decode
-    needs. On a CPU it cost SmolLM2 1.28 times the sampling time (RESULTS.md), so they leave."""
+    Ended rows leave, as a fixed-shape batch cost SmolLM2 1.28x the sampling time (RESULTS.md)."""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         empty = torch.zeros(0, 0, dtype=torch.long)
         return Samples(empty, empty, torch.zeros(0, dtype=torch.bool))
@@ -348,10 +348,9 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 class Rows:
     """The completions of a batch, one row each, with what the loss needs to know of them. Row i
     adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
-    rollout fills every field but loss_weights, which the loop sets with batch_weights. A group is
-    the set of rows whose advantages are normalised together, a question's rows in one part of J.
-    Under grpo a question has one group, its G completions, and under ta one, the (N+1)·G
-    responses to its phrasings. Under ma it has two, its K thoughts and their answers."""
+    rollout fills every field but loss_weights, which the loop sets (batch_weights). A group, the
+    rows whose advantages are normalised together, is a question's rows in one part of J: under
+    grpo its G completions, under ta its (N+1)·G responses, under ma its thoughts or its answers."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
@@ -371,22 +370,16 @@ def select_rows(rows: Rows, index, device="cpu") -> Rows:
 def cat_rows(many: list[Rows]) -> Rows:
     """Several Rows as one, in order. Every (B, C) tensor is right-padded to the widest C."""
     C = max(rows.completion_ids.shape[1] for rows in many)
-    tensors = {}
-    for name, value in vars(many[0]).items():
-        if isinstance(value, torch.Tensor):
-            pieces = [getattr(rows, name) for rows in many]
-            tensors[name] = torch.cat([torch.nn.functional.pad(x, (0, C - x.shape[1]))
-                                       if x.dim() == 2 else x for x in pieces])
+    widen = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
+    tensors = {name: torch.cat([widen(getattr(rows, name)) for rows in many])
+               for name, value in vars(many[0]).items() if isinstance(value, torch.Tensor)}
     return Rows(contexts=[c for rows in many for c in rows.contexts], **tensors)
 
-def group_signal(rows: Rows, num_questions: int):
-    """(questions, 2): True where a question's group in that part of J has signal, some A that is
-    not 0. Dynamic sampling keeps those groups; frac_reward_zero_std counts the others."""
-    advantages = rows.advantages[:, None] if rows.advantages.dim() == 1 else rows.advantages
-    nonzero = (advantages != 0).any(1)  # (B,)
-    signal = torch.zeros(num_questions, 2, dtype=torch.bool)
-    signal[rows.questions[nonzero], rows.parts[nonzero]] = True
-    return signal
+def no_signal(advantages, groups, num_groups: int):
+    """True for each group whose rows all have A = 0, a group that teaches nothing. The rollouts'
+    frac_reward_zero_std counts these, and dynamic sampling drops them (group_signal)."""
+    nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)  # (B,)
+    return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
 def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     """GRPO: G completions of each question, advantages normalised within the question's G."""
@@ -397,13 +390,12 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
     rewards = score_batch(cfg, [batch[q] for q in question], texts, s.finished)
     advantages = group_advantages(rewards, question, cfg.scale_rewards)
-    rows = Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
+    metrics = dict(reward=rewards, frac_reward_zero_std=no_signal(advantages, question, len(batch)),
+                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
+    return Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
                 questions=question, parts=torch.zeros_like(question),
-                off_policy=torch.zeros_like(question, dtype=torch.bool))
-    metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 0],
-                   completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
-    return rows, metrics
+                off_policy=torch.zeros_like(question, dtype=torch.bool)), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
@@ -447,53 +439,59 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
         questions=answer_question, parts=torch.ones_like(answer_question),
         off_policy=torch.zeros_like(answer_question, dtype=torch.bool))
-    rows = cat_rows([thought_rows, answer_rows])
     # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
-    metrics = dict(reward=rewards, frac_reward_zero_std=~group_signal(rows, len(batch))[:, 1],
+    metrics = dict(reward=rewards,
+                   frac_reward_zero_std=no_signal(answer_adv, answer_question, len(batch)),
                    completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
                    unclosed_thoughts=~closed, frac_value_zero_std=~thought_adv.view(-1, K).any(1),
                    frac_truncated=~answers.finished)
-    return rows, metrics
+    return cat_rows([thought_rows, answer_rows]), metrics
 
 def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     """TA-GRPO: each question q0 comes with up to N rephrasings, drawn afresh each step, and each
-    phrasing gets G responses. With two questions, N = 1, G = 2 and no rephrasing of question 1,
-    the phrasings are [q0 of 0, q1 of 0, q0 of 1], of questions [0, 0, 1]:
-        row            0 1   2 3   4 5
-        row_phrasing   0 0   1 1   2 2    the phrasing that the row was sampled after
-        row_question   0 0   0 0   1 1    the row's question, whose rows the advantages pool
-        row_q0         0 0   0 0   2 2    the phrasing that is q0 of the row's question
-        context        0 0   0 0   2 2    the phrasing that the row continues in the loss:
-                       0 0   1 1   2 2    q0 under --ta-anchor original, its own under rephrased"""
+    phrasing gets G responses. The advantages pool a question's (N+1)·G responses, and each row's
+    context follows --ta-anchor. Take two questions, N = 1, G = 2, and no rephrasing of the second:
+        phrasing                q0 of 0    q1 of 0    q0 of 1
+        rows, of question       0 1, q 0   2 3, q 0   4 5, q 1
+        context, original       q0 of 0    q0 of 0    q0 of 1    rows 2 and 3 are off-policy
+        context, rephrased      q0 of 0    q1 of 0    q0 of 1    no row is off-policy"""
     G, N = cfg.num_generations, cfg.num_rephrasings
-    phrasing_text, phrasing_question, phrasing_q0 = [], [], []  # one entry per phrasing
-    for p, ex in enumerate(batch):
+    phrasings, question, is_q0 = [], [], []  # one entry per phrasing: its text, question, if q0
+    for q, ex in enumerate(batch):
         drawn = [ex["rephrasings"][i] for i in torch.randperm(len(ex["rephrasings"]))[:N]]
-        phrasing_q0 += [len(phrasing_text)] * (1 + len(drawn))  # q0 comes first, then `drawn`
-        phrasing_text += [ex["question"]] + drawn
-        phrasing_question += [p] * (1 + len(drawn))
-    phrasings = [prompt_ids(tokenizer, cfg, text) for text in phrasing_text]
-    s = generate(model, tokenizer, phrasings, G, cfg.max_new_tokens, cfg.temperature)
-    row_phrasing = torch.arange(len(phrasings)).repeat_interleave(G)  # (B,) each, as in the table
-    row_question = torch.tensor(phrasing_question, dtype=torch.long)[row_phrasing]
-    row_q0 = torch.tensor(phrasing_q0, dtype=torch.long)[row_phrasing]
+        phrasings += [ex["question"]] + drawn  # q0 first, then the rephrasings drawn
+        question += [q] * (1 + len(drawn))
+        is_q0 += [True] + [False] * len(drawn)
+    prompts = [prompt_ids(tokenizer, cfg, text) for text in phrasings]
+    s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
+    row_question = torch.tensor(question).repeat_interleave(G)  # (B,) G rows for each phrasing
+    row_is_q0 = torch.tensor(is_q0).repeat_interleave(G)  # (B,) True if sampled after q0 itself
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
-    rewards = score_batch(cfg, [batch[p] for p in row_question], texts, s.finished,
-                          [phrasing_text[j] for j in row_phrasing])  # each prompt as it was asked
+    rewards = score_batch(cfg, [batch[q] for q in row_question], texts, s.finished,
+                          [text for text in phrasings for _ in range(G)])  # each as it was asked
     advantages = ta_advantages(rewards, row_question, cfg.scale_rewards)
-    r0 = rewards[row_phrasing == row_q0].view(-1, G)  # the G rewards of q0 itself, as GRPO's
-    context = row_q0 if cfg.ta_anchor == "original" else row_phrasing
-    rows = Rows(contexts=[phrasings[j] for j in context], completion_ids=s.completion_ids,
+    q0_prompts = [p for p, first in zip(prompts, is_q0) if first]  # one for each question
+    if cfg.ta_anchor == "original":  # every row continues its question's q0
+        contexts, off_policy = [q0_prompts[q] for q in row_question], ~row_is_q0
+    else:  # every row continues the phrasing it was sampled after
+        contexts, off_policy = [p for p in prompts for _ in range(G)], torch.zeros_like(row_is_q0)
+    r0 = rewards[row_is_q0].view(-1, G)  # the G rewards of q0 itself, as GRPO's
+    metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
+                   frac_reward_zero_std=no_signal(advantages, row_question, len(batch)),
+                   frac_truncated=~s.finished, reward_rephrased=rewards[~row_is_q0],
+                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
+    return Rows(contexts=contexts, completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
                 questions=row_question, parts=torch.zeros_like(row_question),
-                off_policy=context != row_phrasing)
-    metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
-                   frac_reward_zero_std=~group_signal(rows, len(batch))[:, 0],
-                   frac_truncated=~s.finished, reward_rephrased=rewards[row_phrasing != row_q0],
-                   frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
-    return rows, metrics
+                off_policy=off_policy), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
+
+def group_signal(rows: Rows, num_questions: int):
+    """(questions, 2): True where a question's group in part 0 or in part 1 of J has signal."""
+    in_part = [rows.parts == p for p in (0, 1)]  # (B,) for each part: its rows
+    return torch.stack([~no_signal(rows.advantages[on], rows.questions[on], num_questions)
+                        for on in in_part], 1)
 
 def part_counts(rows: Rows):
     """(2, 2): the rows and the completion tokens in each part of J, one part to a row."""
@@ -510,7 +508,9 @@ def keep_groups(signal, room: int):
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts summed
     over the ranks, so w is the token's share of the whole batch. Each part of J is aggregated
-    alone with its own length limit, unless --ma-weighting tokens pools them with the longer one."""
+    alone with its own length limit, unless --ma-weighting tokens pools them with the longer one.
+    So under ma with dapo, if the ranks hold 40 thought tokens and 120 answer tokens in all, a
+    thought token's w is 1/40 and an answer token's 1/120, on every rank."""
     parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
     if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
         parts, counts, limits = 0 * parts, counts.sum(0, keepdim=True), [max(limits)]
@@ -550,7 +550,7 @@ def completion_logps(model, rows: Rows, temperature: float):
     start = torch.tensor([len(c) - 1 for c in rows.contexts], device=n.device)[:, None]
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
-    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), ordered as logps[mask]
+    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), row by row as logps[mask]
     chunk = max(1, 2**25 // model.lm_head.out_features)
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
@@ -629,13 +629,14 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
 
 def train(cfg) -> dict:
     """Train as configured and return rank 0's summary. In each step three numbered blocks take the
-    batch from the rollout to the update. An editor of the loop must keep these rules:
+    batch from the rollout to the update. In one process W = 1 and rank = 0, gather returns its
+    input and sum_gradients does nothing. An editor of the loop must keep these rules:
     1. A token's w is its share of the batch on all ranks, as batch_weights counts every rank's
        rows. With dapo and ranks of 10 and 6 tokens, w is 1/16, not 1/10 and 1/6. So the
        micro-batches' losses on all ranks add up to one -J.
     2. Every rank makes the same collective calls in the same order, whatever rows it holds. Only
-       the loop (train, dynamic_sampling, evaluate, save_checkpoint) calls them, and update calls
-       one, sum_gradients. A choice that must agree on all ranks reads only gathered numbers.
+       section 6, save_checkpoint and update's sum_gradients call them. A choice that must agree
+       on all ranks, such as which rows train, reads only gathered numbers.
     3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
     5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
@@ -694,14 +695,13 @@ def train(cfg) -> dict:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
-    samples a question at the training temperature. A chunk is --eval-batch-size rows. Chunk c is
-    seeded with --seed + 12345 + c and decoded by rank c % W. GRPO-MA's eval
-    samples plain completions, each within the thought's and the answer's limits together."""
+    samples per question at the training temperature; under ma, plain completions within both
+    limits. Chunk c of --eval-batch-size rows is seeded with --seed + 12345 + c, on rank c % W."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
     for rows, sampled in ((1, False), (n, True)):  # the greedy pass, then the sampled one
-        size = max(1, cfg.eval_batch_size // rows)  # questions a chunk
+        size = max(1, cfg.eval_batch_size // rows)  # questions per chunk
         chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
         for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
             torch.manual_seed(cfg.seed + 12345 + c)
@@ -748,7 +748,7 @@ class Config:
     variant: Literal["grpo", "ma", "ta"] = "grpo"
     lambda_weights: bool = False  # λ-GRPO's w / |λ(i,t)|, with any variant
     dynamic_sampling: bool = False  # DAPO's: drop the groups without signal, draw more questions
-    max_gen_batches: int = 10  # draws of P questions a step at most, with --dynamic-sampling
+    max_gen_batches: int = 10  # draws of P questions per step at most, with --dynamic-sampling
     num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
     prompts_per_step: int = 16  # P, over all ranks
     max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
