@@ -464,8 +464,8 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
         is_q0 += [True] + [False] * len(drawn)
     prompts = [prompt_ids(tokenizer, cfg, text) for text in phrasings]
     s = generate(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature)
-    row_question = torch.tensor(question).repeat_interleave(G)  # (B,) G rows for each phrasing
-    row_is_q0 = torch.tensor(is_q0).repeat_interleave(G)  # (B,) True if sampled after q0 itself
+    row_question = torch.tensor(question, dtype=torch.long).repeat_interleave(G)  # (B,)
+    row_is_q0 = torch.tensor(is_q0, dtype=torch.bool).repeat_interleave(G)  # (B,) True after q0
     texts = decode(tokenizer, s.completion_ids, s.completion_mask)
     rewards = score_batch(cfg, [batch[q] for q in row_question], texts, s.finished,
                           [text for text in phrasings for _ in range(G)])  # each as it was asked
@@ -620,7 +620,7 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
         signal = gather(group_signal(rows, P // W).long()).bool()  # (P, 2) on every rank
         keep = keep_groups(signal, P - kept)  # (P, 2) the groups that train
         kept += int(keep.any(1).sum())
-        row_keep = keep[share][rows.questions, rows.parts]  # (B,) this rank's rows that train
+        row_keep = keep[share][rows.questions, rows.parts]  # (B,) questions count within share
         metrics["frac_dropped"] = ~row_keep
         draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics))
     metrics = {name: torch.cat([m[name] for _, m in draws]) for name in draws[0][1]}

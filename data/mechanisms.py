@@ -263,12 +263,11 @@ def read_real_run(folder: Path):
 
 
 def real_experiments(seeds: int, runs=None, base=SMOLLM2, root=RUNS.parent / "smollm2-curves"):
-    """Every run of the curves, each scheme's seeds in a row, into data/variants/smollm2-curves/. A finished run
+    """Every run of the curves, every scheme for seed 0 first, into data/variants/smollm2-curves/. A finished run
     is reused, and one that was cut off resumes from its last checkpoint."""
-    out = {}
-    for name, flags in (runs or CURVES).items():
-        out[name] = []
-        for seed in range(seeds):
+    out = {name: [] for name in (runs or CURVES)}
+    for seed in range(seeds):  # seed by seed, so that a run cut short still compares every scheme
+        for name, flags in (runs or CURVES).items():
             folder = root / f"{name.replace(' ', '_')}-{seed}"
             folder.mkdir(parents=True, exist_ok=True)
             with sampling_log(folder / "sampling.jsonl"):
