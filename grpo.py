@@ -28,12 +28,11 @@ Each variant changes what a row holds, which is its context, its advantage A and
     ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
     --dynamic-sampling, with any: drop the groups without signal   DAPO, arXiv 2503.14476
-A token's w is its share of the whole batch, so update() needs no normaliser.
 
 Each symbol has one meaning:
     B rows in a batch, C completion tokens per row, W ranks, T the temperature
     P questions per step (16 by default), G samples per question (8 by default)
-    K thoughts per question and M answers per thought (ma), N rephrasings of the question q0 (ta)
+    K thoughts per question, M answers per thought (ma, 4 and 4), N rephrasings of q0 (ta, 3)
     A advantage, V a thought's value, w a token's weight, J the objective, ρ the ratio, ε the clip
     β the KL coefficient, μ updates per batch, λ(i,t) the rows that share o_i's prefix up to t
     group: the rows whose advantages are normalised together, such as a question's G samples
@@ -301,7 +300,7 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
                     logits are then copied to its n rows, so the batch has B = P·n rows
         each step   each running row draws a token, and one decoder pass on those tokens gives
                     the next logits; a row that ends leaves the batch and the cache
-        running     the rows of `out` in the batch; with B = 3, if row 1 ends, [0 1 2] -> [0 2]
+        running     the batch's row i is out's row running[i]; as row 1 of 3 ends, [0 1 2] -> [0 2]
 
     Ended rows leave, as a fixed-shape batch cost SmolLM2 1.28x the sampling time (RESULTS.md)."""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
@@ -348,9 +347,8 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 class Rows:
     """The completions of a batch, one row each, with what the loss needs to know of them. Row i
     adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
-    rollout fills every field but loss_weights, which the loop sets (batch_weights). A group, the
-    rows whose advantages are normalised together, is a question's rows in one part of J: under
-    grpo its G completions, under ta its (N+1)·G responses, under ma its thoughts or its answers."""
+    group is a question's rows in one part of J: its G completions under grpo, its (N+1)·G
+    responses under ta, and under ma its thoughts, or its answers."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
@@ -406,7 +404,6 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
         3-4  prompt + thought 0  answers 0 and 1 to it     A(a_0m)    1     1 / (answer tokens)
         5-6  prompt + thought 2  answers 0 and 1 to it     A(a_2m)    1     1 / (answer tokens)
-
     So J is the mean over the thoughts' tokens plus the mean over the answers' tokens, and M
     answers do not outweigh the thought they follow."""
     K, M = cfg.num_thoughts, cfg.num_answers
@@ -506,16 +503,19 @@ def keep_groups(signal, room: int):
     return signal & first[:, None]
 
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
-    """Each token's w in J, as --loss-type aggregates (train's rule 1). counts is part_counts summed
-    over the ranks, so w is the token's share of the whole batch. Each part of J is aggregated
-    alone with its own length limit, unless --ma-weighting tokens pools them with the longer one.
-    So under ma with dapo, if the ranks hold 40 thought tokens and 120 answer tokens in all, a
-    thought token's w is 1/40 and an answer token's 1/120, on every rank."""
-    parts, limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
-    if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, as part 0
-        parts, counts, limits = 0 * parts, counts.sum(0, keepdim=True), [max(limits)]
+    """Each token's w in J, which is its share of the whole batch, as --loss-type aggregates.
+    counts[p] holds the rows and tokens of part p of J on all ranks (part_counts in one process).
+    Each part is aggregated alone, with its own length limit. So under ma with dapo, if the ranks
+    hold 40 thought tokens and 120 answer tokens, a thought token's w is 1/40 and an answer token's
+    1/120 on every rank, and the w sum to 2. --ma-weighting tokens pools the two parts into one,
+    with the longer length limit. Rule 1 of train says why every rank's rows count."""
+    parts, length_limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
+    if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, counted as part 0
+        parts = torch.zeros_like(rows.parts)
+        counts = counts.sum(0, keepdim=True)
+        length_limits = [max(length_limits)]
     weights = torch.zeros(rows.completion_mask.shape)
-    for p, limit in enumerate(limits):
+    for p, limit in enumerate(length_limits):
         num_rows, num_tokens = counts[p].tolist()  # every rank's rows and tokens in part p
         weights[parts == p] = aggregation_weights(rows.completion_mask[parts == p], cfg.loss_type,
                                                   num_rows, num_tokens, limit)
@@ -541,7 +541,7 @@ def completion_logps(model, rows: Rows, temperature: float):
     right-padded, so no position sees only padding, which on CUDA can make the backward pass NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
-        predicts         t1 t2  -         position 3 - 1 + j predicts completion token j
+        predicts         t1 t2  -         position 3 - 1 + j predicts token j, where mask is 1
 
     The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
     mask, n = rows.completion_mask.bool(), rows.completion_mask.sum(1)  # n tokens, then padding
@@ -550,7 +550,7 @@ def completion_logps(model, rows: Rows, temperature: float):
     start = torch.tensor([len(c) - 1 for c in rows.contexts], device=n.device)[:, None]
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
-    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), row by row as logps[mask]
+    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), in logps[mask]'s order
     chunk = max(1, 2**25 // model.lm_head.out_features)
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
@@ -605,7 +605,7 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
                 gather every rank's group_signal, so that all ranks hold the signal of the draw
                 keep_groups: the groups with signal of the first questions that have one
         until P questions are kept or --max-gen-batches draws are spent
-    Take two ranks and P = 2, so that each rank rolls out one question of each draw:
+    In one process the share is the whole draw. Take two ranks and P = 2, one question a rank:
         draw 1   rank 0: question a, no signal   rank 1: question b, signal   keep b       1 of 2
         draw 2   rank 0: question c, signal      rank 1: question d, signal   keep c, not d 2 of 2
     Both ranks read the same gathered signal, so both choose alike. Rank 0 trains c, rank 1 b."""
@@ -615,12 +615,12 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
     while kept < P <= len(left) and len(draws) < cfg.max_gen_batches:
         drawn = rng.sample(left, P)  # questions not drawn before in this step
         left = sorted(set(left) - set(drawn))
-        rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg,
-                                              [examples[i] for i in drawn[share]])
-        signal = gather(group_signal(rows, P // W).long()).bool()  # (P, 2) on every rank
-        keep = keep_groups(signal, P - kept)  # (P, 2) the groups that train
+        mine = drawn[share]  # this rank's questions, which rows.questions counts from 0
+        rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, [examples[i] for i in mine])
+        signal = gather(group_signal(rows, len(mine)))  # (P, 2): the ranks' shares in rank order
+        keep = keep_groups(signal, P - kept)  # (P, 2) the groups that train, alike on all ranks
         kept += int(keep.any(1).sum())
-        row_keep = keep[share][rows.questions, rows.parts]  # (B,) questions count within share
+        row_keep = keep[share][rows.questions, rows.parts]  # (B,) True if the row's group trains
         metrics["frac_dropped"] = ~row_keep
         draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics))
     metrics = {name: torch.cat([m[name] for _, m in draws]) for name in draws[0][1]}
