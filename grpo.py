@@ -301,7 +301,6 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
         each step   each running row draws a token, and one decoder pass on those tokens gives
                     the next logits; a row that ends leaves the batch and the cache
         running     the batch's row i is out's row running[i]; as row 1 of 3 ends, [0 1 2] -> [0 2]
-
     Ended rows leave, as a fixed-shape batch cost SmolLM2 1.28x the sampling time (RESULTS.md)."""
     if not prompts:  # a rank whose GRPO-MA thoughts all stayed open samples no answers
         empty = torch.zeros(0, 0, dtype=torch.long)
@@ -505,10 +504,11 @@ def keep_groups(signal, room: int):
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     """Each token's w in J, which is its share of the whole batch, as --loss-type aggregates.
     counts[p] holds the rows and tokens of part p of J on all ranks (part_counts in one process).
-    Each part is aggregated alone, with its own length limit. So under ma with dapo, if the ranks
+    Under grpo and ta every row is in part 0, so w is aggregation_weights over the whole batch.
+    Under ma each part is aggregated alone, with its own length limit. So with dapo, if the ranks
     hold 40 thought tokens and 120 answer tokens, a thought token's w is 1/40 and an answer token's
     1/120 on every rank, and the w sum to 2. --ma-weighting tokens pools the two parts into one,
-    with the longer length limit. Rule 1 of train says why every rank's rows count."""
+    with the longer length limit."""
     parts, length_limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
     if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, counted as part 0
         parts = torch.zeros_like(rows.parts)
