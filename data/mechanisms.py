@@ -12,7 +12,7 @@ and reuses the runs that finished there, so a second call only redraws:
              G = 8: 8 samples per question either way (the question and 3 rephrasings, 2 samples each).
     λ-GRPO   (f) how often the target path is sampled on the paper's binary tree, over 250 steps.
 
-    python data/mechanisms.py --real                # SmolLM2-135M-Instruct's time to accuracy (~2.3 h)
+    python data/mechanisms.py --real                # SmolLM2-135M-Instruct's time to accuracy (~2.4 h)
 
 The tiny model is bound by Python and kernel launches, so its cost follows decode steps. A real model's follows
 tokens, so --real judges the time claims on SmolLM2-135M-Instruct (data/prepare.py smollm2), as curves of greedy
@@ -482,7 +482,7 @@ def main(argv=None):
     parser.add_argument("--out", default=str(HERE / "mechanisms.png"))
     parser.add_argument("--seeds", type=int, default=3, help="seeds of panels (a), (d) and (e), or of --real")
     parser.add_argument("--real", action="store_true", help="instead, SmolLM2-135M-Instruct's time to accuracy "
-                        "(after data/prepare.py smollm2): 15 runs, ~2.3 h on 2 cores, and data/smollm2-curves.png")
+                        "(after data/prepare.py smollm2): 15 runs, ~2.4 h on 2 cores, and data/smollm2-curves.png")
     args = parser.parse_args(argv)
     if args.real:
         shares = closed_share()
