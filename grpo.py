@@ -22,12 +22,13 @@ One GRPO step, as train runs it:
     KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1 is Schulman's k3 estimator of the KL
     divergence to the reference, a frozen copy of the model.
 
-Each variant changes what a row holds, which is its context, its advantage A and its weights w:
+Each variant changes what a row holds, which is its context, its advantage A and its weights w.
+data/one-step.png draws one step of each: its rows, token by token, coloured by each token's w·A.
     grpo    G samples of q; A normalised within them                DeepSeekMath, arXiv 2402.03300
     ma      K thoughts of q, M answers to each; A(th) from V(th)    GRPO-MA, arXiv 2509.24494
     ta      q0 and N rephrasings, G each; A over all; given q0      TA-GRPO, arXiv 2601.22478
     --lambda-weights, with any of them: w_it divided by |λ(i,t)|   λ-GRPO, arXiv 2509.21154
-    --dynamic-sampling, with any: drop the groups without signal   DAPO, arXiv 2503.14476
+    --dynamic-sampling, with any: drop questions without signal    DAPO, arXiv 2503.14476
 
 Each symbol has one meaning:
     B rows in a batch, C completion tokens per row, W ranks, T the temperature
@@ -35,7 +36,11 @@ Each symbol has one meaning:
     K thoughts per question, M answers per thought (ma, 4 and 4), N rephrasings of q0 (ta, 3)
     A advantage, V a thought's value, w a token's weight, J the objective, ρ the ratio, ε the clip
     β the KL coefficient, μ updates per batch, λ(i,t) the rows that share o_i's prefix up to t
-    group: the rows whose advantages are normalised together, such as a question's G samples
+    group: the rows whose advantages are normalised together: a question's G samples (grpo), its
+        (N+1)·G responses (ta), its K thoughts or its K·M answers (ma)
+    context: the token ids that a completion continues, a prompt or under ma a prompt + thought
+    part: a term of J that is a token mean of its own; ma has two (thoughts, answers), others one
+    swapped context: a row's, if it trains given another context than it was sampled after (ta)
 
 What the file simplifies. One process samples, with a short KV-cache loop, and trains. π_old's
 log-probs come from the trainer's own forward pass. There is no LoRA, so the reference is a full
@@ -51,11 +56,59 @@ from typing import Literal, NamedTuple
 import torch, transformers
 from tqdm import tqdm
 
+# 0. The knobs, first as in nanoGPT. Each is a flag: num_generations is --num-generations.
+@dataclass
+class Config:
+    model: str = str(Path(__file__).parent / "data/tiny")  # a local folder or a hub name
+    data: str = str(Path(__file__).parent / "data/train.jsonl")  # see load_jsonl
+    system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '' for none
+    response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
+    variant: Literal["grpo", "ma", "ta"] = "grpo"
+    lambda_weights: bool = False  # λ-GRPO's w / |λ(i,t)|, with any variant
+    dynamic_sampling: bool = False  # DAPO's: drop questions without signal, draw more of them
+    max_gen_batches: int = 10  # draws of P questions per step at most, with --dynamic-sampling
+    num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
+    prompts_per_step: int = 16  # P, over all ranks
+    max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
+    temperature: float = 1.0  # of the sampling, and so of the log-probs
+    num_thoughts: int = 4  # K (ma)
+    num_answers: int = 4  # M (ma): answers per thought
+    max_answer_tokens: int = 24  # (ma)
+    ma_weighting: Literal["parts", "tokens"] = "parts"  # (ma) a mean per part, or one mean
+    num_rephrasings: int = 3  # N (ta), drawn afresh each step
+    ta_anchor: Literal["original", "rephrased"] = "original"  # (ta) log-probs given q0, or not
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"  # the aggregation w, as TRL's
+    scale_rewards: Literal["group", "none"] = "group"  # divide A by the std; none as Dr. GRPO
+    beta: float = 0.0  # the k3 KL's coefficient; a reference is loaded only when > 0
+    epsilon: float = 0.2  # the clip range, and its upper side unless epsilon_high is given
+    epsilon_high: float | None = None  # DAPO's is 0.28
+    num_iterations: int = 1  # μ, updates per sampled batch
+    reward_fn: str = ""  # FILE.py:NAME, a reward function called as TRL calls one; default correct
+    lr: float = 2e-4  # AdamW's; ~1e-6 for real models
+    warmup_steps: int = 10  # linear warmup, then constant
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
+    micro_batch_tokens: int = 4096  # padded tokens per forward and backward pass of the update
+    gradient_checkpointing: bool = False  # less activation memory for more compute
+    steps: int = 100
+    test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval
+    eval_every: int = 50  # 0 for the start and the end only
+    eval_samples: int = 8  # n per held-out question, for pass@1..n
+    eval_limit: int = 0  # the eval's questions: the first N of --test-data; 0 for all
+    eval_batch_tokens: int = 32768  # the eval's KV cache: rows sampled at once × their length
+    log_completions: int = 25  # print a group as text every N steps; 0 for never
+    save_every: int = 50  # 0 for the end only
+    out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
+    resume: bool = False  # continue the run in --out from its checkpoint, or start it
+    overwrite: bool = False  # replace a run in --out, which without it or --resume stops
+
+RESUMABLE = {"micro_batch_tokens", "gradient_checkpointing", "steps", "test_data", "eval_every",
+             "eval_samples", "eval_limit", "eval_batch_tokens", "log_completions", "save_every",
+             "out", "resume", "overwrite"}  # the flags that change no training: --resume may
+
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
-# pastes alone into your trainer. There, with log-probs (B, C) under π, π_old and the reference:
-#     A = group_advantages(rewards, group_ids)          # or ma_advantages, ta_advantages
-#     w = aggregation_weights(completion_mask, "dapo")  # λ-GRPO: w * lambda_weights(...)
-#     loss, metrics = policy_loss(logps, old_logps, A, completion_mask, w, ref_logps, beta=0.04)
+# pastes alone into your trainer, and policy_loss's example runs one GRPO step through it.
 def group_advantages(rewards, groups, scale="group", eps=1e-4):
     """GRPO's advantages. Each reward is normalised within its group, the rows with its group id.
     The B rewards are floats, and the B group ids run from 0 to n-1. The std is unbiased, as TRL's.
@@ -80,10 +133,11 @@ def group_advantages(rewards, groups, scale="group", eps=1e-4):
     low = torch.full_like(n, math.inf).scatter_reduce(0, groups, rewards, "amin")
     return torch.where(torch.isclose(high, low)[groups], 0.0, adv)
 
-def ma_advantages(rewards, answer_thought, thought_question, scale="group", eps=1e-4):
-    """GRPO-MA's advantages, from the answers' rewards, each answer's thought and each thought's
-    question. The function returns A(th), A(ans) and V:
-        V(th)   = the mean reward of the answers to th, or 0 if th never closed (our choice)
+def ma_advantages(rewards, answer_thought, thought_question, cut_rewards, scale="group", eps=1e-4):
+    """GRPO-MA's advantages, from the answers' rewards, each answer's thought, each thought's
+    question and each thought's reward as a cut completion. It returns A(th), A(ans) and V:
+        V(th)   = the mean reward of the answers to th. A thought that never closed has no answers,
+                  so V(th) = cut_rewards[th], its reward as GRPO scores a completion cut short
         A(th)   = V(th) normalised over the K thoughts of the same question
         A(ans)  = r(ans) normalised over all answers to the same question, not per thought
 
@@ -93,13 +147,14 @@ def ma_advantages(rewards, answer_thought, thought_question, scale="group", eps=
                               +- answer 3  r = 0
 
     >>> th, ans, V = ma_advantages(torch.tensor([1., 1., 1., 0.]), torch.tensor([0, 0, 1, 1]),
-    ...                            torch.tensor([0, 0]))
+    ...                            torch.tensor([0, 0]), cut_rewards=torch.zeros(2))
     >>> th, ans
     (tensor([ 0.7069, -0.7069]), tensor([ 0.4999,  0.4999,  0.4999, -1.4997]))
 
     To copy GRPO-MA, also take the rows of rollout_ma and the two loss parts of batch_weights."""
     answers = torch.bincount(answer_thought, minlength=len(thought_question)).to(rewards.dtype)
-    values = torch.zeros_like(answers).index_add(0, answer_thought, rewards) / answers.clamp(min=1)
+    sums = torch.zeros_like(answers).index_add(0, answer_thought, rewards)
+    values = torch.where(answers > 0, sums / answers.clamp(min=1), cut_rewards)  # (K·P,)
     thought_adv = group_advantages(values, thought_question, scale, eps)
     answer_adv = group_advantages(rewards, thought_question[answer_thought], scale, eps)
     return thought_adv, answer_adv, values
@@ -114,11 +169,9 @@ def ta_advantages(rewards, question, scale="group", eps=1e-4):
     >>> ta_advantages(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 0, 0]))
     tensor([ 0.4999,  0.4999, -1.4997,  0.4999])
 
-    To copy TA-GRPO, also take every log-prob given q0, as the contexts of rollout_ta do by default:
-        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg was sampled after q_j
-    So π given q0 learns from samples given q_j, with no importance weight: off-policy on purpose,
-    as in arXiv 2601.22478v5, because the rephrasings explore. The paper's code conditions each
-    response on its own q_j instead, as --ta-anchor rephrased does (lhkhiem28/TA-GRPO)."""
+    To copy TA-GRPO, also take every log-prob given q0, as rollout_ta does by default (it says
+    what that costs and what the paper's code does):
+        ρ_jgt = π(o_jgt | q0, o_jg<t) / π_old(o_jgt | q0, o_jg<t)     o_jg was sampled after q_j"""
     return group_advantages(rewards, question, scale, eps)
 
 def lambda_weights(completion_ids, completion_mask, context_ids):
@@ -167,28 +220,28 @@ def aggregation_weights(completion_mask, loss_type="dapo", num_rows=None, num_to
     tokens = mask.sum().item() if num_tokens is None else num_tokens
     divisor = {"dapo": max(tokens, 1), "dr_grpo": rows * (max_completion_length or mask.shape[1]),
                "grpo": mask.sum(1, keepdim=True).clamp(min=1) * max(rows, 1)}  # the table above
-    if loss_type not in divisor:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    return mask / divisor[loss_type]
+    return mask / divisor[loss_type]  # an unknown loss_type is a KeyError
 
 def policy_loss(per_token_logps, old_per_token_logps, advantages, completion_mask, loss_weights,
                 ref_per_token_logps=None, beta=0.0, epsilon=0.2, epsilon_high=None):
-    """The loss -J to minimise, and its metrics. Tensors are B by C; the advantages, B or B by C.
+    """The loss -J to minimise, and its metrics: clip_low and clip_high (1 where the clip binds)
+    and kl (if β > 0) for each masked token. Tensors are B by C; the advantages, B or B by C.
 
         ρ  = exp(logp - old)
         KL = exp(ref - logp) - (ref - logp) - 1           k3
         loss = Σ w · (-min(ρ A, clip(ρ, 1-ε, 1+ε_high) A) + β KL)      w: loss_weights
 
-    >>> logp = torch.zeros(1, 2, requires_grad=True)  # two tokens, A = 2, w = 0.5 each
-    >>> loss, _ = policy_loss(logp, logp.detach(), torch.tensor([2.]), torch.ones(1, 2),
-    ...                       torch.full((1, 2), 0.5))
-    >>> loss.backward(); loss.item(), logp.grad
-    (-2.0, tensor([[-1., -1.]]))
-
     At μ = 1 the old log-probs are logp, detached, so ρ is 1 in value and ∂ρ/∂logp = ρ = 1. Both
     terms of the min then equal ρ A, and torch.min splits a tie's gradient between them, so they
-    give the policy gradient, ∂loss/∂logp = -w A. Each metric holds one value per masked token:
-    clip_low and clip_high are 1 where the clip binds, and kl (β > 0) is the token's KL."""
+    give the policy gradient, ∂loss/∂logp = -w A. Here is one GRPO step by hand: G = 4 completions
+    score r = 1, 0, 0, 0, so mean(r) = 0.25, std(r) = 0.5 and A = 1.5, -0.5, -0.5, -0.5. They have
+    6 tokens, so dapo's w is 1/6, and each token's gradient is -w A, -0.25 or +0.0833:
+    >>> A = group_advantages(torch.tensor([1., 0., 0., 0.]), torch.zeros(4, dtype=torch.long))
+    >>> mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 0]])
+    >>> logp = torch.zeros(4, 2, requires_grad=True)  # log π of each token; any value will do
+    >>> loss, _ = policy_loss(logp, logp.detach(), A, mask, aggregation_weights(mask, "dapo"))
+    >>> loss.backward(); logp.grad[mask.bool()]  # the 6 tokens, row by row
+    tensor([-0.2500, -0.2500,  0.0833,  0.0833,  0.0833,  0.0833])"""
     on = completion_mask.bool()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = torch.where(on, adv, 0.0)  # (B, C), 0 off the mask
@@ -228,9 +281,8 @@ def score(text: str, reference: str, finished: bool) -> float:
     return float(num(a) == num(ref) if num(ref) is not None else a == ref)
 
 def correct(prompts, completions, answer, finished=None, **columns):
-    """The default --reward-fn, called as TRL calls a reward function. A completion is text or a
-    list of TRL's chat messages. Each data key comes as a keyword, with a value for each row. TRL
-    passes no `finished`, so every completion then counts as finished."""
+    """The default --reward-fn, called as TRL calls one, with each data key as a keyword. TRL passes
+    chat messages or text, and no `finished`, so every completion then counts as finished."""
     finished = finished or [True] * len(completions)
     return [score(c if isinstance(c, str) else c[-1]["content"], a, f)
             for c, a, f in zip(completions, answer, finished)]
@@ -345,18 +397,21 @@ def generate(model, tokenizer, prompts: list[list[int]], n: int, max_new_tokens:
 @dataclass
 class Rows:
     """The completions of a batch, one row each, with what the loss needs to know of them. Row i
-    adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant. A
-    group is a question's rows in one part of J: its G completions under grpo, its (N+1)·G
-    responses under ta, and under ma its thoughts, or its answers."""
+    adds Σ_t w_it min(ρ_it A_i, clip(ρ_it) A_i) to J, so update() needs to know no variant."""
     contexts: list[list[int]]      # B lists of token ids: what each completion continues
     completion_ids: torch.Tensor   # (B, C) right-padded
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the EOS or the stop string
     advantages: torch.Tensor       # (B,) one per row, or (B, C) for a per-token scheme of yours
     outcomes: torch.Tensor         # (B,) the reward, or a GRPO-MA thought's value V; for the log
     questions: torch.Tensor        # (B,) the index of the row's question in the rollout's batch
-    parts: torch.Tensor            # (B,) the row's part of J: 1 for GRPO-MA's answers, else 0
-    off_policy: torch.Tensor       # (B,) True if the row was sampled after another context
+    parts: torch.Tensor | None = None  # (B,) the row's part of J: 1 for GRPO-MA's answers, else 0
+    context_swapped: torch.Tensor | None = None  # (B,) True if sampled after another context
     loss_weights: torch.Tensor | None = None  # (B, C) each token's w in J, set by batch_weights
+
+    def __post_init__(self):  # unless a rollout says otherwise, every row is in part 0, unswapped
+        zero = torch.zeros(len(self.contexts), dtype=torch.long)  # (B,)
+        self.parts = zero if self.parts is None else self.parts
+        self.context_swapped = zero.bool() if self.context_swapped is None else self.context_swapped
 
 def select_rows(rows: Rows, index, device="cpu") -> Rows:
     """The rows at the positions that index (a 1-D tensor) lists, in that order, on device."""
@@ -373,8 +428,7 @@ def cat_rows(many: list[Rows]) -> Rows:
     return Rows(contexts=[c for rows in many for c in rows.contexts], **tensors)
 
 def no_signal(advantages, groups, num_groups: int):
-    """True for each group whose rows all have A = 0, a group that teaches nothing. The rollouts'
-    frac_reward_zero_std counts these, and dynamic sampling drops them (group_signal)."""
+    """True for each group whose rows all have A = 0, so that it teaches nothing (no signal)."""
     nonzero = ((advantages[:, None] if advantages.dim() == 1 else advantages) != 0).any(1)  # (B,)
     return torch.zeros(num_groups).index_add(0, groups, nonzero.float()) == 0
 
@@ -391,20 +445,21 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
                    completion_length=s.completion_mask.sum(1).float(), frac_truncated=~s.finished)
     return Rows(contexts=[prompts[q] for q in question], completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
-                questions=question, parts=torch.zeros_like(question),
-                off_policy=torch.zeros_like(question, dtype=torch.bool)), metrics
+                questions=question), metrics
 
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
     </think>. Each closed thought gets M answers, sampled after the prompt and the thought. An open
-    thought gets no answers, so its V is 0, and it is pushed down if a sibling's V is above 0.
-    With one question, K = 3, M = 2 and thought 1 open, the rows are:
+    thought gets no answers, so its V is its reward as GRPO scores a completion cut short: 0 for
+    both shipped rewards. With one question, K = 3, M = 2 and thought 1 open, the rows are:
         row  context             completion                advantage  part  w (batch_weights)
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
         3-4  prompt + thought 0  answers 0 and 1 to it     A(a_0m)    1     1 / (answer tokens)
         5-6  prompt + thought 2  answers 0 and 1 to it     A(a_2m)    1     1 / (answer tokens)
     So J is the mean over the thoughts' tokens plus the mean over the answers' tokens, and M
-    answers do not outweigh the thought they follow."""
+    answers do not outweigh the thought they follow. The index lists below rely on generate's
+    order, n rows to a prompt, prompt by prompt: thought k of question p is row p·K + k, and the
+    answers to the j-th closed thought are rows j·M to j·M + M - 1. data/one-step.png draws it."""
     K, M = cfg.num_thoughts, cfg.num_answers
     # 1. Sample the tree. The comments show its indices in the example above.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
@@ -422,20 +477,19 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
     answer_question = thought_question[answer_thought]  # [0 0 0 0]: an answer's question
     rewards = score_batch(cfg, [batch[p] for p in answer_question], texts, answers.finished)
+    cut_rewards = score_batch(cfg, [batch[p] for p in thought_question], thought_texts,
+                              thoughts.finished)  # each thought scored as it ended; read if open
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_question,
-                                                    cfg.scale_rewards)
+                                                    cut_rewards, cfg.scale_rewards)
     # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
     thought_rows = Rows(
         contexts=[prompts[p] for p in thought_question], completion_ids=thoughts.completion_ids,
         completion_mask=thoughts.completion_mask, advantages=thought_adv, outcomes=values,
-        questions=thought_question, parts=torch.zeros_like(thought_question),
-        off_policy=torch.zeros_like(closed))
+        questions=thought_question)
     answer_rows = Rows(
         contexts=[after[k] for k in answer_thought], completion_ids=answers.completion_ids,
         completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
-        questions=answer_question, parts=torch.ones_like(answer_question),
-        off_policy=torch.zeros_like(answer_question, dtype=torch.bool))
-    # reward, completion_length and frac_truncated are the answers'; three more are the thoughts'
+        questions=answer_question, parts=torch.ones_like(answer_question))
     metrics = dict(reward=rewards,
                    frac_reward_zero_std=no_signal(answer_adv, answer_question, len(batch)),
                    completion_length=answers.completion_mask.sum(1).float(), thought_value=values,
@@ -449,8 +503,12 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     context follows --ta-anchor. Take two questions, N = 1, G = 2, and no rephrasing of the second:
         phrasing                q0 of 0    q1 of 0    q0 of 1
         rows, of question       0 1, q 0   2 3, q 0   4 5, q 1
-        context, original       q0 of 0    q0 of 0    q0 of 1    rows 2 and 3 are off-policy
-        context, rephrased      q0 of 0    q1 of 0    q0 of 1    no row is off-policy"""
+        context, original       q0 of 0    q0 of 0    q0 of 1    rows 2 and 3: context swapped
+        context, rephrased      q0 of 0    q1 of 0    q0 of 1    no context swapped
+    The default anchor has a cost. A response sampled given q_j trains π given q0 with no
+    importance weight, so the step is not q0's policy gradient: it raises π(o | q0) for what q_j
+    made likely, a bias taken on purpose so that the rephrasings explore (arXiv 2601.22478v5).
+    The rephrased anchor, as the paper's code has it, is each phrasing's own policy gradient."""
     G, N = cfg.num_generations, cfg.num_rephrasings
     phrasings, question, is_q0 = [], [], []  # one entry per phrasing: its text, question, if q0
     for q, ex in enumerate(batch):
@@ -468,9 +526,9 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
     advantages = ta_advantages(rewards, row_question, cfg.scale_rewards)
     q0_prompts = [p for p, first in zip(prompts, is_q0) if first]  # one for each question
     if cfg.ta_anchor == "original":  # every row continues its question's q0
-        contexts, off_policy = [q0_prompts[q] for q in row_question], ~row_is_q0
+        contexts, swapped = [q0_prompts[q] for q in row_question], ~row_is_q0
     else:  # every row continues the phrasing it was sampled after
-        contexts, off_policy = [p for p in prompts for _ in range(G)], torch.zeros_like(row_is_q0)
+        contexts, swapped = [p for p in prompts for _ in range(G)], torch.zeros_like(row_is_q0)
     r0 = rewards[row_is_q0].view(-1, G)  # the G rewards of q0 itself, as GRPO's
     metrics = dict(reward=rewards, completion_length=s.completion_mask.sum(1).float(),
                    frac_reward_zero_std=no_signal(advantages, row_question, len(batch)),
@@ -478,55 +536,41 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
                    frac_reward_zero_std_q0=r0.amax(1) == r0.amin(1))
     return Rows(contexts=contexts, completion_ids=s.completion_ids,
                 completion_mask=s.completion_mask, advantages=advantages, outcomes=rewards,
-                questions=row_question, parts=torch.zeros_like(row_question),
-                off_policy=off_policy), metrics
+                questions=row_question, context_swapped=swapped), metrics
 
 ROLLOUTS = {"grpo": rollout_grpo, "ma": rollout_ma, "ta": rollout_ta}
 
-def group_signal(rows: Rows, num_questions: int):
-    """(questions, 2): True where a question's group in part 0 or in part 1 of J has signal."""
-    in_part = [rows.parts == p for p in (0, 1)]  # (B,) for each part: its rows
-    return torch.stack([~no_signal(rows.advantages[on], rows.questions[on], num_questions)
-                        for on in in_part], 1)
-
 def part_counts(rows: Rows):
-    """(2, 2): the rows and the completion tokens in each part of J, one part to a row."""
+    """(2, 2): counts[p] holds the rows and the completion tokens of part p of J. Only GRPO-MA's
+    answers are in part 1, so under grpo and ta counts[1] is 0, 0."""
     tokens = rows.completion_mask.sum(1)  # (B,)
     return torch.tensor([[(rows.parts == p).sum(), tokens[rows.parts == p].sum()] for p in (0, 1)])
 
-def keep_groups(signal, room: int):
-    """Dynamic sampling's choice among the groups of one draw: the groups with signal of the first
-    `room` questions that have one, in draw order. signal and the result are (questions, 2)."""
-    has_signal = signal.any(1)  # (questions,)
-    first = has_signal & (has_signal.cumsum(0) <= room)
-    return signal & first[:, None]
-
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
-    """Each token's w in J, which is its share of the whole batch, as --loss-type aggregates.
-    counts[p] holds the rows and tokens of part p of J on all ranks (part_counts in one process).
-    Under grpo and ta every row is in part 0, so w is aggregation_weights over the whole batch.
-    Under ma each part is aggregated alone, with its own length limit. So with dapo, if the ranks
-    hold 40 thought tokens and 120 answer tokens, a thought token's w is 1/40 and an answer token's
-    1/120 on every rank, and the w sum to 2. --ma-weighting tokens pools the two parts into one,
-    with the longer length limit."""
-    parts, length_limits = rows.parts, [cfg.max_new_tokens, cfg.max_answer_tokens]
-    if cfg.variant == "ma" and cfg.ma_weighting == "tokens":  # one pool, counted as part 0
-        parts = torch.zeros_like(rows.parts)
-        counts = counts.sum(0, keepdim=True)
-        length_limits = [max(length_limits)]
-    weights = torch.zeros(rows.completion_mask.shape)
-    for p, limit in enumerate(length_limits):
+    """w_it = aggregation_weights(row i's part of J, with that part's rows and tokens on all ranks).
+    counts[p] holds those of part p, so a token's w is its share of the whole batch. Under grpo and
+    ta, and under ma with --ma-weighting tokens, the batch is one part. Otherwise GRPO-MA's two
+    parts are a token mean each, with their own length limits. With dapo, 40 thought tokens and 120
+    answer tokens on all ranks, a thought token's w is 1/40, an answer token's 1/120: Σ w is 2."""
+    limits = [cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0]
+    if cfg.variant != "ma" or cfg.ma_weighting == "tokens":  # one part: the whole batch
+        num_rows, num_tokens = counts.sum(0).tolist()  # every rank's rows and tokens
+        return aggregation_weights(rows.completion_mask, cfg.loss_type, num_rows, num_tokens,
+                                   max(limits))
+    weights = torch.zeros(rows.completion_mask.shape)  # GRPO-MA's two parts, a mean each
+    for p, limit in enumerate(limits):
         num_rows, num_tokens = counts[p].tolist()  # every rank's rows and tokens in part p
-        weights[parts == p] = aggregation_weights(rows.completion_mask[parts == p], cfg.loss_type,
-                                                  num_rows, num_tokens, limit)
+        weights[rows.parts == p] = aggregation_weights(rows.completion_mask[rows.parts == p],
+                                                       cfg.loss_type, num_rows, num_tokens, limit)
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):
-    """If enabled, λ-GRPO's weighting divides each token's w by |λ(i,t)|, for any variant. λ counts
-    the rows sampled after one context that train in it, such as a question's thoughts, a thought's
-    answers or a phrasing's G responses. A row sampled after another context (under ta, given q0)
-    keeps its w, because λ's premise fails there (RESULTS.md). Not enabled, it only logs |λ|."""
-    on = ~rows.off_policy  # (B,) the rows sampled after the context they train in
+    """w_it <- w_it / |λ(i,t)| if enabled, where λ(i,t) holds the rows sampled after row i's context
+    that train in it and share row i's tokens 0 to t. This is λ-GRPO's weighting, for any variant.
+    The rows of one context are a question's G completions or K thoughts, a thought's M answers, or
+    a phrasing's G responses. A row whose context is swapped keeps its w, because λ's premise fails
+    there (RESULTS.md). The function also returns |λ| of each masked token, for the log."""
+    on = ~rows.context_swapped  # (B,) the rows sampled after the context they train in
     contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
     context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
     inv_lambda = rows.completion_mask.float()  # 1 / |λ| = 1 for a row sampled elsewhere
@@ -543,7 +587,9 @@ def completion_logps(model, rows: Rows, temperature: float):
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
         predicts         t1 t2  -         position 3 - 1 + j predicts token j, where mask is 1
 
-    The lm_head runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
+    hidden[predicts] and logps[mask] read their grids row by row, left to right, and row i has n_i
+    entries in each, so the k-th hidden state taken predicts the k-th token taken. The lm_head
+    runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
     mask, n = rows.completion_mask.bool(), rows.completion_mask.sum(1)  # n tokens, then padding
     seqs = [c + row[:k].tolist() for c, row, k in zip(rows.contexts, rows.completion_ids, n)]
     ids, attention = (x.to(n.device) for x in pad_ids(seqs, 0, "right"))  # (B, S)
@@ -563,14 +609,16 @@ def completion_logps(model, rows: Rows, temperature: float):
 
 def update(model, ref_model, optimizer, rows: Rows, cfg):
     """Takes μ = --num-iterations optimizer steps on this rank's rows, whichever variant made them.
-    It returns this rank's part of the loss -J, averaged over the μ passes, and the metrics, which
-    are grad_norm for each pass and clip_low, clip_high and kl for each token of each pass. Its one
-    collective sums the gradients, as DDP does. At μ = 1 the loss is -Σ w A, so watch the reward."""
+    A micro-batch holds as many rows as --micro-batch-tokens holds at the longest row's length, so
+    the activations kept for backward follow that budget. It returns this rank's part of -J over
+    the μ passes and the metrics, grad_norm per pass and clip_low, clip_high and kl per token. Its
+    one collective sums the gradients, as DDP does. At μ = 1 the loss is -Σ w A, not the reward."""
     device, mu, T = next(model.parameters()).device, cfg.num_iterations, cfg.temperature
     lengths = torch.tensor([len(c) for c in rows.contexts]) + rows.completion_mask.sum(1)  # (B,)
     order = lengths.argsort(stable=True)  # rows of like length share a micro-batch and pad less
+    size = max(1, cfg.micro_batch_tokens // max(lengths.tolist(), default=1))  # rows to a batch
     micro_batches = [select_rows(rows, index, device)  # none on a rank that holds no rows
-                     for index in order.split(cfg.micro_batch_size) if len(index)]
+                     for index in order.split(size) if len(index)]
     with torch.no_grad():  # π_old's log-probs if μ > 1, and the reference's if β > 0
         old = [completion_logps(model, mb, T) if mu > 1 else None for mb in micro_batches]
         ref = [completion_logps(ref_model, mb, T) if cfg.beta else None for mb in micro_batches]
@@ -599,11 +647,11 @@ def update(model, ref_model, optimizer, rows: Rows, cfg):
 
 # 6. The training loop and the eval.
 def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
-    """DAPO's dynamic sampling. It draws questions until P of them have a group with signal, and it
-    returns this rank's rows of the groups with signal and the metrics of all that it sampled:
+    """kept = the first P questions drawn that have signal, a row with A ≠ 0. DAPO's dynamic
+    sampling returns this rank's rows of the kept questions, and the metrics of all it sampled.
         repeat: draw P questions not drawn before in this step; roll out this rank's share of them
-                gather every rank's group_signal, so that all ranks hold the signal of the draw
-                keep_groups: the groups with signal of the first questions that have one
+                gather every rank's signal, a bool per question, so that all ranks hold the draw's
+                keep the first questions with signal, as many as P has room for
         until P questions are kept or --max-gen-batches draws are spent
     In one process the share is the whole draw. Take two ranks and P = 2, one question a rank:
         draw 1   rank 0: question a, no signal   rank 1: question b, signal   keep b       1 of 2
@@ -617,10 +665,10 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
         left = sorted(set(left) - set(drawn))
         mine = drawn[share]  # this rank's questions, which rows.questions counts from 0
         rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, [examples[i] for i in mine])
-        signal = gather(group_signal(rows, len(mine)))  # (P, 2): the ranks' shares in rank order
-        keep = keep_groups(signal, P - kept)  # (P, 2) the groups that train, alike on all ranks
-        kept += int(keep.any(1).sum())
-        row_keep = keep[share][rows.questions, rows.parts]  # (B,) True if the row's group trains
+        signal = gather(~no_signal(rows.advantages, rows.questions, len(mine)))  # (P,) rank order
+        keep = signal & (signal.cumsum(0) <= P - kept)  # (P,) the first with signal, as fit in P
+        kept += int(keep.sum())
+        row_keep = keep[share][rows.questions]  # (B,) True if the row's question trains
         metrics["frac_dropped"] = ~row_keep
         draws.append((select_rows(rows, row_keep.nonzero().flatten()), metrics))
     metrics = {name: torch.cat([m[name] for _, m in draws]) for name in draws[0][1]}
@@ -639,7 +687,7 @@ def train(cfg) -> dict:
        on all ranks, such as which rows train, reads only gathered numbers.
     3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
-    5. A rank may hold no rows at any stage. Dynamic sampling drops groups, and an open GRPO-MA
+    5. A rank may hold no rows at any stage. Dynamic sampling drops questions, and an open GRPO-MA
        thought gets no answers. A step where no rank holds a row makes no update.
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
     device, (rank, W) = setup_ranks(), rank_and_world()
@@ -680,7 +728,7 @@ def train(cfg) -> dict:
                 loss, update_metrics = update(model, ref_model, optimizer, rows, cfg)
                 metrics |= update_metrics | {"loss": gather(loss.view(1)).sum()}  # all ranks' -J
             metrics = mean_over_ranks(metrics)
-            bar.set_postfix_str(f"reward {metrics['reward']:.3f}")
+            bar.set_postfix_str(f"reward {metrics.get('reward', math.nan):.3f}")
             if rank == 0 and cfg.log_completions and (step + 1) % cfg.log_completions == 0:
                 show_group(tokenizer, rows, step + 1)
             log({"step": step + 1, "lr": lr, **metrics, "time/step": time.perf_counter() - t_step})
@@ -696,18 +744,19 @@ def train(cfg) -> dict:
 def evaluate(model, tokenizer, examples: list[dict], cfg) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
     samples per question at the training temperature; under ma, plain completions within both
-    limits. Chunk c of --eval-batch-size rows is seeded with --seed + 12345 + c, on rank c % W."""
+    limits. A chunk holds the questions whose rows × (longest prompt + limit) fit in
+    --eval-batch-tokens of KV cache. Chunk c is seeded with --seed + 12345 + c, on rank c % W."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
+    prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in examples]
     greedy, pass_k = 0.0, [0.0] * n  # this rank's sums
     for rows, sampled in ((1, False), (n, True)):  # the greedy pass, then the sampled one
-        size = max(1, cfg.eval_batch_size // rows)  # questions per chunk
+        size = max(1, cfg.eval_batch_tokens // (rows * (max(map(len, prompts)) + limit)))
         chunks = list(enumerate(range(0, len(examples), size)))[rank::W]
         for c, start in tqdm(chunks, "eval", leave=False, disable=rank != 0):
             torch.manual_seed(cfg.seed + 12345 + c)
-            chunk = examples[start:start + size]
-            prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in chunk]
-            s = generate(model, tokenizer, prompts, rows, limit, cfg.temperature, not sampled)
+            chunk, asked = examples[start:start + size], prompts[start:start + size]
+            s = generate(model, tokenizer, asked, rows, limit, cfg.temperature, not sampled)
             texts = decode(tokenizer, s.completion_ids, s.completion_mask)
             rewards = score_batch(cfg, [ex for ex in chunk for _ in range(rows)], texts, s.finished)
             right = (rewards == 1).view(len(chunk), rows).sum(1).tolist()  # (questions,)
@@ -737,57 +786,6 @@ def summary(cfg, wall_s: float) -> dict:
     line = " | ".join(f"{k} {evals[0].get(k, math.nan):.3f} -> {evals[-1][k]:.3f}" for k in shown)
     print(f"{cfg.variant}{' + λ' if cfg.lambda_weights else ''}: {line} | {wall_s:.0f} s")
     return {"variant": cfg.variant, "steps": cfg.steps, "before": evals[0], "after": evals[-1]}
-
-@dataclass
-class Config:
-    """Every field is a command-line flag: num_generations is --num-generations."""
-    model: str = str(Path(__file__).parent / "data/tiny")  # a local folder or a hub name
-    data: str = str(Path(__file__).parent / "data/train.jsonl")  # see load_jsonl
-    system_prompt: str = "reply <think>...</think><answer>...</answer>"  # '' for none
-    response_prefix: str = ""  # what the reply starts with, such as <think>; part of the prompt
-    variant: Literal["grpo", "ma", "ta"] = "grpo"
-    lambda_weights: bool = False  # λ-GRPO's w / |λ(i,t)|, with any variant
-    dynamic_sampling: bool = False  # DAPO's: drop the groups without signal, draw more questions
-    max_gen_batches: int = 10  # draws of P questions per step at most, with --dynamic-sampling
-    num_generations: int = 8  # G, completions per prompt, or per phrasing under ta
-    prompts_per_step: int = 16  # P, over all ranks
-    max_new_tokens: int = 32  # the completion's length limit; under ma the thought's
-    temperature: float = 1.0  # of the sampling, and so of the log-probs
-    num_thoughts: int = 4  # K (ma)
-    num_answers: int = 4  # M (ma): answers per thought
-    max_answer_tokens: int = 24  # (ma)
-    ma_weighting: Literal["parts", "tokens"] = "parts"  # (ma) a mean per part, or one mean
-    num_rephrasings: int = 3  # N (ta), drawn afresh each step
-    ta_anchor: Literal["original", "rephrased"] = "original"  # (ta) log-probs given q0, or not
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"  # the aggregation w, as TRL's
-    scale_rewards: Literal["group", "none"] = "group"  # divide A by the std; none as Dr. GRPO
-    beta: float = 0.0  # the k3 KL's coefficient; a reference is loaded only when > 0
-    epsilon: float = 0.2  # the clip range, and its upper side unless epsilon_high is given
-    epsilon_high: float | None = None  # DAPO's is 0.28
-    num_iterations: int = 1  # μ, updates per sampled batch
-    reward_fn: str = ""  # FILE.py:NAME, a reward function called as TRL calls one; default correct
-    lr: float = 2e-4  # AdamW's; ~1e-6 for real models
-    warmup_steps: int = 10  # linear warmup, then constant
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
-    micro_batch_size: int = 64  # rows per forward and backward pass of the update
-    gradient_checkpointing: bool = False  # less activation memory for more compute
-    steps: int = 100
-    test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval
-    eval_every: int = 50  # 0 for the start and the end only
-    eval_samples: int = 8  # n per held-out question, for pass@1..n
-    eval_limit: int = 0  # the eval's questions: the first N of --test-data; 0 for all
-    eval_batch_size: int = 512  # rows the eval samples at once
-    log_completions: int = 25  # print a group as text every N steps; 0 for never
-    save_every: int = 50  # 0 for the end only
-    out: str = "out"  # the run folder, with metrics.jsonl and the latest checkpoint
-    resume: bool = False  # continue the run in --out from its checkpoint, or start it
-    overwrite: bool = False  # replace a run in --out, which without it or --resume stops
-
-RESUMABLE = {"micro_batch_size", "gradient_checkpointing", "steps", "test_data", "eval_every",
-             "eval_samples", "eval_limit", "eval_batch_size", "log_completions", "save_every",
-             "out", "resume", "overwrite"}  # the flags that change no training: --resume may
 
 class UserError(Exception):
     """A bad flag, data line or file. The main function prints it as one line, no traceback."""
@@ -894,7 +892,8 @@ def open_run(cfg: Config):
     out.mkdir(parents=True, exist_ok=True)
     file = open(out / "metrics.jsonl", "a")
     file.truncate(state["log_size"] if state else 0)
-    return checkpoint, state, lambda record: (file.write(json.dumps(record) + "\n"), file.flush())
+    return checkpoint, state, lambda record: print(json.dumps(record, allow_nan=False), file=file,
+                                                   flush=True)  # strict JSON: no NaN can pass
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer):
     """On rank 0, out/checkpoint-<step>: model, tokenizer, and state.pt with AdamW, the step and
@@ -940,8 +939,9 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces)
 
 def mean_over_ranks(metrics: dict) -> dict:
-    """Each metric, a tensor of values on each rank -> the mean of every rank's values, or NaN."""
-    return {name: gather(value.flatten().double()).mean().item() for name, value in metrics.items()}
+    """Each metric's values on every rank -> their mean. A metric with no value is left out."""
+    values = {name: gather(value.flatten().double()) for name, value in metrics.items()}
+    return {name: v.mean().item() for name, v in values.items() if len(v)}
 
 def sum_gradients(model):
     """Sum the ranks' gradients, not their mean. Each w is a share of the whole batch (rule 1)."""

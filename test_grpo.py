@@ -75,7 +75,7 @@ def make_rows(contexts, completion_ids, completion_mask, advantages=None, loss_w
     return grpo.Rows(contexts=contexts, completion_ids=completion_ids, completion_mask=completion_mask,
                      advantages=torch.zeros(B) if advantages is None else advantages,
                      outcomes=torch.zeros(B) if outcomes is None else outcomes,
-                     questions=zeros if questions is None else questions, parts=zeros, off_policy=zeros.bool(),
+                     questions=zeros if questions is None else questions,
                      loss_weights=grpo.aggregation_weights(completion_mask, "dapo") if loss_weights is None
                      else loss_weights)
 
@@ -270,7 +270,7 @@ def test_section_1_runs_alone_with_math_and_torch(tmp_path):
     assert sorted(n for n in vars(module) if callable(vars(module)[n]) and n[0] != "_") == sorted(names)
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
     for name in names:
-        [test] = finder.find(getattr(module, name), name, globs={"math": math, "torch": torch, name: getattr(module, name)})
+        [test] = finder.find(getattr(module, name), name, globs=dict(vars(module)))  # the section's names only
         assert test.examples, name
         runner.run(test)
     assert runner.failures == 0 and runner.tries >= len(names)
@@ -311,16 +311,15 @@ def test_update_works_one_grpo_step_by_hand(tiny):
 
 
 def test_per_token_advantages_run_through_the_metrics_and_the_update(tiny):
-    """A scheme of one's own may give each token its advantage, (B, C), 0 off the mask: group_signal counts a
+    """A scheme of one's own may give each token its advantage, (B, C), 0 off the mask: no_signal counts a
     row with any nonzero token as a signal, and update's loss is -Σ w A_t over tokens (dapo, μ = 1)."""
     model, tok = tiny
     rows = text_rows(tok, grpo.prompt_ids(tok, CFG, "3+4="), ["<answer>7</answer>", "x", "yy"])
     A = torch.tensor([[1.0, -0.5, 0.25, 2.0], [0.0, 0.0, 0.0, 0.0], [0.0, 3.0, -1.0, 0.0]]) * rows.completion_mask
     rows.advantages = A
     rows.questions = torch.tensor([0, 1, 1])
-    assert grpo.group_signal(rows, 3).tolist() == [[True, False], [True, False], [False, False]]  # 2 has no row
-    assert grpo.group_signal(grpo.select_rows(rows, torch.zeros(0, dtype=torch.long)), 2).tolist() == [
-        [False, False], [False, False]]
+    assert grpo.no_signal(rows.advantages, rows.questions, 3).tolist() == [False, False, True]  # 2 has no row
+    assert grpo.no_signal(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 2).tolist() == [True, True]
     loss = updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config())["loss"]
     assert loss == pytest.approx(-(A.sum() / rows.completion_mask.sum()).item(), abs=1e-6)
 
@@ -1081,12 +1080,13 @@ def test_sampler_is_seeded_and_masks_what_it_generated(tiny):
     a = grpo.generate(model, tok, prompts, 3, 32)
     torch.manual_seed(3)
     b = grpo.generate(model, tok, prompts, 3, 32)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    for row, m, f in zip(*a):
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    for row, m, f in zip(a.completion_ids, a.completion_mask, a.finished):
         n = int(m.sum())
         assert (row[n - 1] == tok.eos_token_id) == bool(f)
         assert tok.eos_token_id not in row[:n - 1].tolist()
-    assert [x.shape for x in grpo.generate(model, tok, [], 3, 32)] == [(0, 0), (0, 0), (0,)]  # no prompts
+    empty = grpo.generate(model, tok, [], 3, 32)  # no prompts
+    assert (empty.completion_ids.shape, empty.completion_mask.shape, empty.finished.shape) == ((0, 0), (0, 0), (0,))
 
 
 def rollout_rows(variant, model, tok, batch, **kw):
@@ -1296,21 +1296,62 @@ def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
     assert torch.allclose(rows.loss_weights, rows.completion_mask / (8 * 10))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_micro_batches_add_up_to_the_whole_batch(tiny, loss_type):
-    """One row per micro-batch against one micro-batch for all: the same loss and the same gradient, for GRPO-MA's
-    rows (thoughts and answers in different micro-batches) and random advantages."""
-    model, tok = tiny
-    rows, _ = ma_rollout(tok, 3, "parts", loss_type)
+@pytest.mark.parametrize("variant,loss_type", [("grpo", "dapo"), ("ma", "grpo"), ("ta", "dr_grpo"), ("lambda", "dapo")])
+def test_one_step_leaves_the_same_weights_whatever_the_token_budget(variant, loss_type):
+    """--micro-batch-tokens changes no number: one step of each variant's real rows (rollout, weights, λ, update with
+    SGD at lr 0.1, whose step is the gradient itself, as AdamW's first step would magnify the float rounding of a
+    gradient near 0; random advantages, so that every row moves the weights) with a budget of one row, of three rows
+    and of all rows leaves the same model weights to float tolerance, and the same loss and gradient norm. The budget
+    of three rows holds three of the longest row."""
+    import copy
+    base, tok = grpo.load_model(str(TINY), torch.device("cpu"))
+    cfg = grpo.Config(variant="grpo" if variant == "lambda" else variant, lambda_weights=variant == "lambda",
+                      loss_type=loss_type, prompts_per_step=4, num_generations=4, num_thoughts=2, num_answers=2,
+                      num_rephrasings=1, max_new_tokens=24, max_answer_tokens=12, max_grad_norm=1e9)
+    torch.manual_seed(0)
+    rows, _ = grpo.ROLLOUTS[cfg.variant](base, tok, cfg, grpo.load_jsonl(HERE / "data" / "train.jsonl")[:4])
+    rows = grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg, grpo.part_counts(rows)))
+    rows, _ = grpo.lambda_rows(rows, cfg.lambda_weights)
     rows.advantages = torch.randn(len(rows.contexts), generator=torch.Generator().manual_seed(0))
+    longest = max(len(c) + int(m.sum()) for c, m in zip(rows.contexts, rows.completion_mask))
     results = []
-    for size in (100, 1):
-        cfg = grpo.Config(micro_batch_size=size, max_grad_norm=1e9)
-        model.zero_grad()
-        metrics = updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg)
-        results.append(metrics)
-    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
-    assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-4)
+    for budget in (1, 3 * longest, 10**9):
+        model = copy.deepcopy(base)
+        loss, metrics = grpo.update(model, None, torch.optim.SGD(model.parameters(), lr=0.1), rows,
+                                    grpo.replace(cfg, micro_batch_tokens=budget))
+        results.append((model.state_dict(), loss.item(), metrics["grad_norm"].item()))
+    assert results[0][2] > 0
+    for weights, loss, grad_norm in results[1:]:
+        assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-7)
+        assert grad_norm == pytest.approx(results[0][2], rel=1e-4)
+        for name, value in weights.items():
+            assert torch.allclose(value, results[0][0][name], atol=1e-6), name
+
+
+def test_a_micro_batch_holds_at_most_the_token_budget_and_a_longer_row_goes_alone(tiny, monkeypatch):
+    """update() at budgets of 1, 100 and 150 tokens over rows of 27, 28, 29, 30 and 48 tokens (context and
+    completion): every micro-batch's padded size (its rows times its longest row) is at most the budget, every row
+    trains once, shortest rows first, and at a budget below every row's length each row goes alone. At 10^9 tokens
+    one micro-batch holds them all."""
+    model, tok = tiny
+    prompt = grpo.prompt_ids(tok, CFG, "12+34=")
+    texts = ["<answer>46</answer>", "x", "<think>2+4=6 c0 1+3+0=4</think><answer>46</answer>", "yy", "<answer>4</answer>"]
+    rows = text_rows(tok, prompt, texts)
+    lengths = [len(prompt) + int(m.sum()) for m in rows.completion_mask]
+    seen, logps = [], grpo.completion_logps
+    monkeypatch.setattr(grpo, "completion_logps", lambda model, mb, T: seen.append(mb) or logps(model, mb, T))
+    assert sorted(lengths) == [27, 28, 29, 30, 48]
+    for budget in (1, 100, 150, 10**9):
+        seen.clear()
+        updated(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, grpo.Config(micro_batch_tokens=budget))
+        sizes = [[len(c) + int(m.sum()) for c, m in zip(mb.contexts, mb.completion_mask)] for mb in seen]
+        assert sorted(n for mb in sizes for n in mb) == sorted(lengths) and [n for mb in sizes for n in mb] == sorted(lengths)
+        if budget == 1:
+            assert all(len(mb) == 1 for mb in sizes)
+        elif budget == 10**9:
+            assert len(sizes) == 1
+        else:
+            assert all(len(mb) * max(mb) <= budget for mb in sizes) and len(sizes) > 1
 
 
 def test_lambda_update_divides_each_token_term_by_lambda(tiny):
@@ -1335,8 +1376,8 @@ def lambda_by_brute_force(rows):
     in the mask, equal i's; 1 for a row sampled after another context (TA's rephrasings under the q0 anchor)."""
     sizes = torch.zeros(rows.completion_ids.shape)
     for i, t in rows.completion_mask.nonzero().tolist():
-        sizes[i, t] = 1 if rows.off_policy[i] else sum(
-            rows.contexts[j] == rows.contexts[i] and not rows.off_policy[j]
+        sizes[i, t] = 1 if rows.context_swapped[i] else sum(
+            rows.contexts[j] == rows.contexts[i] and not rows.context_swapped[j]
             and bool(rows.completion_mask[j, :t + 1].all())
             and torch.equal(rows.completion_ids[j, :t + 1], rows.completion_ids[i, :t + 1])
             for j in range(len(rows.contexts)))
@@ -1360,7 +1401,7 @@ def test_lambda_weights_divide_every_variants_weights_by_a_count_over_rows_of_on
         assert torch.equal(lambda_sizes, sizes[mask]) and (sizes[mask] > 1).any() and (sizes[mask] == 1).any()
         assert torch.allclose(weighed.loss_weights, torch.where(mask, before / sizes, 0.0) if on else before)
         assert torch.equal(rows.loss_weights, before)  # the rollout's rows are left as they were
-        assert bool(rows.off_policy.any()) == (variant == "ta" and anchor == "original")
+        assert bool(rows.context_swapped.any()) == (variant == "ta" and anchor == "original")
     if variant == "ta":  # anchored on q0, one question's phrasings share a context: more rows share a prefix
         contexts = {tuple(c) for c in rows.contexts}
         assert len(contexts) == (3 if anchor == "original" else len(rows.contexts) // 3)
@@ -1382,18 +1423,17 @@ def record_draws(monkeypatch, variant):
 
 
 def kept_by_hand(draws, P):
-    """The rows that dynamic sampling keeps, from the rewards alone: a question's rows of one part (GRPO-MA's
-    thoughts carry their V, its answers their r) have a signal unless their rewards are all equal; the first P
-    questions in the order drawn with a part of signal stay, with those parts. One (B,) bool tensor per draw."""
+    """The rows that dynamic sampling keeps, from the rewards alone: a question has a signal unless the rewards of
+    its rows are all equal within one part (GRPO-MA's thoughts carry their V, its answers their r); the first P
+    questions in the order drawn with a signal stay, with all their rows. One (B,) bool tensor per draw."""
     keeps, stayed = [], 0
     for rows in draws:
         keep = torch.zeros(len(rows.contexts), dtype=torch.bool)
         for q in sorted(set(rows.questions.tolist())):
             parts = [(rows.questions == q) & (rows.parts == p) for p in (0, 1)]
-            signal = [len(set(rows.outcomes[part].tolist())) > 1 for part in parts]
-            if any(signal) and stayed < P:
+            if any(len(set(rows.outcomes[part].tolist())) > 1 for part in parts) and stayed < P:
                 stayed += 1
-                keep |= (parts[0] & signal[0]) | (parts[1] & signal[1])
+                keep |= rows.questions == q
         keeps.append(keep)
     return keeps
 
@@ -1426,12 +1466,12 @@ def test_dynamic_sampling_keeps_and_weighs_what_a_recomputation_over_the_kept_gr
     """--dynamic-sampling on real samples of the tiny model (G = 2, so many groups have equal rewards): the rows
     kept, their order and the share dropped equal kept_by_hand over every draw's rows, P questions among them;
     the token weights equal weights_by_hand over the kept rows only; update in
-    micro-batches of 3 gives -Σ w A (μ = 1)."""
+    micro-batches of 150 tokens gives -Σ w A (μ = 1)."""
     model, tok = tiny
     draws = record_draws(monkeypatch, variant)
     cfg = grpo.Config(variant=variant, dynamic_sampling=True, prompts_per_step=4, num_generations=2,
                       num_thoughts=2, num_answers=2, num_rephrasings=1, max_answer_tokens=12,
-                      ma_weighting=weighting, loss_type=loss_type, micro_batch_size=3)
+                      ma_weighting=weighting, loss_type=loss_type, micro_batch_tokens=150)
     torch.manual_seed(0)
     examples = grpo.load_jsonl(HERE / "data" / "train.jsonl")
     rows, metrics = grpo.dynamic_sampling(model, tok, cfg, examples, random.Random(0))
@@ -1441,10 +1481,8 @@ def test_dynamic_sampling_keeps_and_weighs_what_a_recomputation_over_the_kept_gr
     assert len(draws) > 1 and 0 < len(kept) < sum(len(d.contexts) for d in draws)  # the case: groups dropped
     assert torch.equal(metrics["frac_dropped"], ~torch.cat(keeps)) and metrics["prompts_drawn"] == 4 * len(draws)
     assert len({(d, q) for d, keep in enumerate(keeps) for q in draws[d].questions[keep].tolist()}) == 4  # P kept
-    if variant == "ma":  # a question may keep one part and drop the other
-        split = [k[(d.questions == q) & (d.parts == 0)].any() != k[(d.questions == q) & (d.parts == 1)].any()
-                 for d, k in zip(draws, keeps) for q in d.questions.tolist()]
-        assert any(split)
+    for d, k in zip(draws, keeps):  # a question keeps all its rows or none, GRPO-MA's thoughts and answers alike
+        assert all(k[d.questions == q].all() or not k[d.questions == q].any() for q in d.questions.tolist())
     weights = grpo.batch_weights(rows, cfg, grpo.part_counts(rows))
     assert torch.allclose(weights, weights_by_hand(rows, cfg))
     rows = grpo.replace(rows, loss_weights=weights)
@@ -1453,23 +1491,34 @@ def test_dynamic_sampling_keeps_and_weighs_what_a_recomputation_over_the_kept_gr
     model.zero_grad(set_to_none=True)
 
 
-def test_keep_groups_chooses_alike_on_every_rank_over_draws_worked_by_hand():
-    """Dynamic sampling's choice, a pure function of the gathered signal: P = 4 over two ranks, each holding two
-    questions of a draw, GRPO-MA's two parts. Draw 1 (room 4): questions 1 and 3 have a group with signal, so
-    both stay, each with its groups of signal. Draw 2 (room 2): questions 0, 1 and 3 have one; the first two stay.
-    Rank 1 holds questions 2 and 3 of each draw: its rows keep what their question and part keep."""
-    draw1 = torch.tensor([[0, 0], [1, 0], [0, 0], [1, 1]]).bool()
-    keep1 = grpo.keep_groups(draw1, 4)
-    assert keep1.tolist() == [[False, False], [True, False], [False, False], [True, True]]
-    draw2 = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0]]).bool()
-    keep2 = grpo.keep_groups(draw2, 4 - int(keep1.any(1).sum()))
-    assert keep2.tolist() == [[False, True], [True, True], [False, False], [False, False]]
-    questions, parts = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0, 0, 1, 1])  # rank 1's rows of a draw
-    share = slice(2, 4)
-    assert keep1[share][questions, parts].tolist() == [False, False, True, True, True]
-    assert keep2[share][questions, parts].tolist() == [False] * 5  # rank 1 keeps nothing of draw 2
-    assert grpo.keep_groups(draw1, 1).tolist() == [[False, False], [True, False], [False, False], [False, False]]
-    assert not grpo.keep_groups(draw1, 0).any() and not grpo.keep_groups(torch.zeros(0, 2, dtype=torch.bool), 4).any()
+def test_dynamic_sampling_chooses_alike_on_every_rank_over_draws_worked_by_hand(monkeypatch):
+    """Dynamic sampling's choice reads only the gathered signal: P = 4 over two ranks, each rolling out two questions
+    of a draw, one row each. Draw 1 (room 4): questions 1 and 3 have signal, so both stay. Draw 2 (room 2):
+    questions 0, 1 and 3 have signal; the first two stay, and P is full. Each rank, run as rank 0 or 1 of 2 with
+    gather handing it both ranks' signal, keeps its own rows of the kept questions: rank 0 question 1 of draw 1 and
+    questions 0 and 1 of draw 2; rank 1 question 3 of draw 1, and nothing of draw 2."""
+    signal = [[False, True, False, True], [True, True, False, True]]  # draw: questions 0-3, rank 0 holds 0 and 1
+    kept = {}
+    for rank in (0, 1):
+        draws = iter(range(2))
+
+        def rollout(model, tokenizer, cfg, batch, rank=rank):
+            d = next(draws)
+            mine = torch.tensor(signal[d][2 * rank:2 * rank + 2])
+            rows = make_rows([[1]] * 2, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                             advantages=mine.float(), outcomes=torch.tensor([10. * d + 2 * rank, 10. * d + 2 * rank + 1]),
+                             questions=torch.arange(2))
+            return rows, {"reward": torch.zeros(2)}
+        gathered = iter(signal)
+        monkeypatch.setitem(grpo.ROLLOUTS, "grpo", rollout)
+        monkeypatch.setattr(grpo, "rank_and_world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(grpo, "gather", lambda x: torch.tensor(next(gathered)))
+        cfg = grpo.Config(dynamic_sampling=True, prompts_per_step=4)
+        rows, metrics = grpo.dynamic_sampling(None, None, cfg, [{"question": str(i)} for i in range(8)], random.Random(0))
+        kept[rank] = rows.outcomes.tolist()  # 10 · draw + question
+        assert metrics["prompts_drawn"] == 8 and metrics["frac_dropped"].tolist() == [
+            not k for k in [[False, True, True, True], [False, True, False, False]][rank]]
+    assert kept == {0: [1.0, 10.0, 11.0], 1: [3.0]}
 
 
 def test_batch_weights_count_every_ranks_rows():
@@ -1513,7 +1562,7 @@ def test_rewards_equal_within_float_rounding_are_one_answer():
     A = grpo.group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
     assert A[:2].tolist() == [0.0, 0.0] and A[2:].abs().min() > 0.7
     rows = make_rows([[1]] * 4, torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1), A, questions=torch.tensor([0, 0, 1, 1]))
-    assert grpo.group_signal(rows, 2)[:, 0].tolist() == [False, True]
+    assert grpo.no_signal(rows.advantages, rows.questions, 2).tolist() == [True, False]
 
 
 @pytest.mark.parametrize("variant", ["grpo", "ma", "ta"])
@@ -1525,9 +1574,9 @@ def test_a_rank_with_no_rows_goes_through_every_stage(tiny, variant):
     cfg = grpo.Config(variant=variant, beta=0.04, num_iterations=2)
     rows, metrics = grpo.ROLLOUTS[variant](model, tok, cfg, [])
     assert rows.completion_ids.shape[0] == 0 and all(v.numel() == 0 for v in metrics.values())
-    assert all(math.isnan(v) for v in grpo.mean_over_ranks(metrics).values())
+    assert grpo.mean_over_ranks(metrics) == {}  # no value on any rank: no metric, never NaN
     counts = grpo.part_counts(rows)
-    assert counts.tolist() == [[0, 0], [0, 0]] and grpo.group_signal(rows, 0).shape == (0, 2)
+    assert counts.tolist() == [[0, 0], [0, 0]] and grpo.no_signal(rows.advantages, rows.questions, 0).shape == (0,)
     rows = grpo.replace(rows, loss_weights=grpo.batch_weights(rows, cfg, counts))
     rows, sizes = grpo.lambda_rows(rows, True)
     assert rows.loss_weights.shape[0] == 0 and sizes.numel() == 0
@@ -1542,7 +1591,7 @@ def test_a_rank_with_no_rows_goes_through_every_stage(tiny, variant):
 def test_max_gen_batches_and_the_data_bound_the_draws_and_a_step_that_keeps_nothing_keeps_the_weights(tmp_path):
     """A reward that is always 0 leaves no group a signal: a step draws --max-gen-batches batches of P questions,
     or as many as the data holds (5 questions, P = 2: two), drops every row, makes no update (its line has no
-    loss) and leaves the weights as they were."""
+    loss, and no lambda_mean: no row has a |λ|) and leaves the weights as they were. Every line is strict JSON."""
     zero = write(tmp_path, "zero.py", "def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
     lines = (HERE / "data" / "train.jsonl").read_text().splitlines()
     five = write(tmp_path, "five.jsonl", "\n".join(lines[:5]) + "\n")
@@ -1551,9 +1600,9 @@ def test_max_gen_batches_and_the_data_bound_the_draws_and_a_step_that_keeps_noth
         out = tmp_path / name
         grpo.main(SMALL + ["--out", str(out), "--steps", "1", "--dynamic-sampling", "--reward-fn", f"{zero}:zero",
                            *flags])
-        step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()][1]
+        step = strict_json_lines(out / "metrics.jsonl")[1]
         assert step["prompts_drawn"] == drawn and step["frac_dropped"] == 1.0
-        assert not {"loss", "grad_norm", "clip_low"} & step.keys() and step["lr"] > 0
+        assert not {"loss", "grad_norm", "clip_low", "lambda_mean"} & step.keys() and step["lr"] > 0
         start, after = load_file(TINY / "model.safetensors"), load_file(out / "checkpoint-1" / "model.safetensors")
         assert all(torch.equal(start[k], after[k]) for k in start)
 
@@ -1672,8 +1721,8 @@ EVAL_TABLE = {  # question: (reference, greedy answer, the 3 samples' answers)
 
 
 def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
-    """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here with --eval-batch-size
-    6: the greedy pass in one chunk of 3 questions, the sampled in chunks of 2. Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
+    """A stand-in sampler writes a fixed table, so evaluate()'s numbers are known by hand, here with --eval-batch-tokens
+    of 6 rows at the longest prompt + limit: the greedy pass in one chunk of 3 questions, the sampled in chunks of 2. Correct samples per question 1, 3, 0 of n = 3; each pass@k is the brute-force mean
     over the k-subsets of a question's samples: pass@1 (1/3 + 1 + 0) / 3, pass@2 (2/3 + 1 + 0) / 3, pass@3 2/3."""
     model, tok = tiny
 
@@ -1688,7 +1737,8 @@ def test_eval_counts_greedy_and_pass_at_k_per_question(tiny, monkeypatch):
         return samples_of(tokenizer, texts)
     monkeypatch.setattr(grpo, "generate", table_sampler)
     examples = [{"question": q, "answer": a, "rephrasings": []} for q, (a, _, _) in EVAL_TABLE.items()]
-    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_size=6))
+    row_tokens = max(len(grpo.prompt_ids(tok, CFG, ex["question"])) for ex in examples) + CFG.max_new_tokens
+    result = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_tokens=6 * row_tokens))
     brute = {}
     for k in (1, 2, 3):
         per_question = []
@@ -1752,7 +1802,7 @@ BAD_VALUES = [("--num-generations", "0"), ("--prompts-per-step", "0"), ("--tempe
               ("--eval-samples", "0"), ("--warmup-steps", "-1"), ("--beta", "-1"), ("--beta", "nan"),
               ("--max-grad-norm", "-1"), ("--max-grad-norm", "0"), ("--steps", "0"), ("--lr", "nan"), ("--lr", "0"),
               ("--lr", "inf"), ("--epsilon", "-0.1"), ("--epsilon-high", "-1"), ("--num-iterations", "0"),
-              ("--micro-batch-size", "0"), ("--num-rephrasings", "0")]
+              ("--micro-batch-tokens", "0"), ("--num-rephrasings", "0")]
 
 
 @pytest.mark.parametrize("flag,value", BAD_VALUES)
@@ -2166,7 +2216,7 @@ def test_a_run_folder_is_protected_and_a_resume_keeps_what_it_trains(tmp_path, c
         assert run(*SMALL, "--out", out, "--steps", "4", "--resume", *flags) == (
             f"grpo.py: error: --resume: the run in {out} was trained with {named}")
     summary = grpo.main(SMALL + ["--out", out, "--steps", "4", "--resume", "--eval-samples", "4", "--eval-every", "0",
-                                 "--save-every", "1", "--log-completions", "0", "--micro-batch-size", "1"])
+                                 "--save-every", "1", "--log-completions", "0", "--micro-batch-tokens", "1"])
     assert "pass@4" not in summary["before"] and "pass@4" in summary["after"] and summary["steps"] == 4
     assert "pass@4 nan -> " in capsys.readouterr().out
     assert run(*SMALL, "--out", out, "--steps", "1", "--overwrite") is None
@@ -2325,14 +2375,32 @@ def test_a_non_finite_gradient_is_never_applied(tmp_path, monkeypatch):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+def strict_json_lines(path):
+    """Each line of a metrics file, parsed as strict JSON: NaN, Infinity and -Infinity are not JSON and fail."""
+    def refuse(constant):
+        raise AssertionError(f"{path}: {constant} is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+def test_a_run_whose_thoughts_never_close_logs_strict_json_and_no_answer_metrics(tmp_path):
+    """GRPO-MA with thoughts of 3 tokens: no thought closes, so no step has an answer. Each step still trains its
+    thoughts (loss, lambda_mean), and logs no reward, completion_length or frac_truncated, the answers' metrics,
+    rather than a NaN mean of nothing; every line parses as strict JSON."""
+    grpo.main(SMALL + ["--variant", "ma", "--max-new-tokens", "3", "--num-thoughts", "2", "--num-answers", "2",
+                       "--steps", "2", "--out", str(tmp_path / "run")])
+    steps = [l for l in strict_json_lines(tmp_path / "run" / "metrics.jsonl") if "eval" not in l]
+    assert len(steps) == 2 and all(l["unclosed_thoughts"] == 1.0 and "loss" in l and "lambda_mean" in l for l in steps)
+    assert not any({"reward", "completion_length", "frac_truncated"} & l.keys() for l in steps)
+
+
 def test_a_ta_batch_without_rephrasings_runs(tmp_path):
     data = write(tmp_path, "ta.jsonl", "".join(json.dumps(r) + "\n" for r in [
         {"question": "12+34=", "answer": "46", "rephrasings": ["what is 12 plus 34?"]},
         {"question": "11+11=", "answer": "22"}, {"question": "10+13=", "answer": "23"}]))
     grpo.main(SMALL + ["--variant", "ta", "--data", data, "--prompts-per-step", "1", "--steps", "4",
                        "--out", str(tmp_path / "run")])
-    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(math.isnan(l.get("reward_rephrased", 0)) for l in lines)  # a batch without rephrasings happened
+    lines = strict_json_lines(tmp_path / "run" / "metrics.jsonl")
+    assert any("loss" in l and "reward_rephrased" not in l for l in lines)  # a batch without rephrasings happened
 
 
 # -----------------------------------------------------------------------------
@@ -2606,14 +2674,16 @@ def test_mechanism_f_the_tree_counts_target_samples():
 # GRPO-MA
 
 
-def ma_dense(rewards, scale="group"):
+def ma_dense(rewards, scale="group", cut_rewards=None):
     """ma_advantages of a (P, K, M) reward grid, NaN where a thought has no answers, back as grids:
-    (thought (P, K), answer (P, K, M) with NaN for the missing, values (P, K))."""
+    (thought (P, K), answer (P, K, M) with NaN for the missing, values (P, K)). An open thought's reward as a cut
+    completion is cut_rewards (P, K), 0 unless given."""
     P, K, M = rewards.shape
     flat = rewards.reshape(P * K, M)
     exists = ~flat.isnan()
     answer_thought = exists.nonzero()[:, 0]  # row-major: thought by thought
-    thought, answer, values = grpo.ma_advantages(flat[exists], answer_thought, groups_of(K, P * K), scale)
+    cut = torch.zeros(P * K) if cut_rewards is None else cut_rewards.reshape(P * K)
+    thought, answer, values = grpo.ma_advantages(flat[exists], answer_thought, groups_of(K, P * K), cut, scale)
     grid = torch.full((P * K, M), math.nan)
     grid[exists] = answer
     return thought.view(P, K), grid.view(P, K, M), values.view(P, K)
@@ -2635,7 +2705,8 @@ def test_ma_advantages_worked_example():
 
 
 def test_ma_unanswered_thoughts_are_missing_not_zero():
-    # thought 0 answered [1, 0]; thought 1 never closed, so it has no answers
+    # thought 0 answered [1, 0]; thought 1 never closed, so it has no answers, and its V is its reward as a cut
+    # completion, 0 here
     thought, answer, values = ma_dense(torch.tensor([[[1.0, 0], [math.nan, math.nan]]]))
     # V = [0.5, 0]: mean 0.25, unbiased std 0.3536
     assert values.tolist() == [[0.5, 0.0]]
@@ -2646,6 +2717,20 @@ def test_ma_unanswered_thoughts_are_missing_not_zero():
     assert answer[0, 1].isnan().all()
 
 
+def test_an_open_thought_is_valued_as_a_cut_completion():
+    """An open thought's V is cut_rewards, its reward as a cut completion, never the mean of answers it lacks. With
+    a reward that gives -1 to anything unfinished, the open thought 2 (V = -1) ranks below thought 1, whose answers
+    both scored 0 (V = 0): V = [1, 0, -1], mean 0, unbiased std 1, so A(th) = [1, 0, -1] / 1.0001. A closed
+    thought's cut reward is never read. Under the old rule (V = 0 for an open thought) thoughts 1 and 2 tied."""
+    rewards = torch.tensor([[[1.0, 1.0], [0.0, 0.0], [math.nan, math.nan]]])
+    thought, _, values = ma_dense(rewards, cut_rewards=torch.tensor([[5.0, 5.0, -1.0]]))
+    assert values.tolist() == [[1.0, 0.0, -1.0]]
+    assert torch.allclose(thought, torch.tensor([[1.0, 0.0, -1.0]]) / 1.0001)
+    assert thought[0, 2] < thought[0, 1]
+    tied, _, _ = ma_dense(rewards)  # cut reward 0, as both shipped rewards give
+    assert tied[0, 1] == tied[0, 2]
+
+
 def test_ma_with_one_answer_is_grpo():
     """M = 1: a thought's value is its one answer's reward, and both advantages are GRPO's over the K rewards.
     Prompt 0: rewards [1, 0, 1, 1], mean 0.75, unbiased std 0.5; prompt 1: all 0 -> exactly 0."""
@@ -2654,6 +2739,51 @@ def test_ma_with_one_answer_is_grpo():
     expected = torch.tensor([[0.25, -0.75, 0.25, 0.25], [0, 0, 0, 0]]) / torch.tensor([[0.5001], [1.0]])
     assert torch.allclose(thought, expected) and torch.allclose(answer[..., 0], expected)
     assert torch.equal(values, r[..., 0]) and torch.equal(thought[1], torch.zeros(4))
+
+
+def cut_thought_rollout(tok, reward_fn, monkeypatch):
+    """rollout_ma of one question 1+2= (K = 3, M = 2) with a stand-in sampler: thought 0 closes and both its answers
+    are right, thought 1 is cut at its limit, thought 2 closes and both its answers are wrong."""
+    def sampler(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, greedy=False, stop_strings=()):
+        if stop_strings:  # the thoughts, which end at </think> or at the limit, never at EOS
+            texts, eos = ["<think>1+2=3</think>", "<think>1+2=", "<think>1+2=4</think>"], False
+        else:  # two answers to each closed thought, in order, each ending at EOS
+            texts, eos = ["<answer>3</answer>"] * 2 + ["<answer>4</answer>"] * 2, True
+        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] * eos for t in texts]
+        C = max(map(len, ids))
+        return grpo.Samples(completion_ids=torch.tensor([i + [tok.pad_token_id] * (C - len(i)) for i in ids]),
+                            completion_mask=torch.tensor([[1] * len(i) + [0] * (C - len(i)) for i in ids]),
+                            finished=torch.full((len(ids),), eos))
+    monkeypatch.setattr(grpo, "generate", sampler)
+    cfg = grpo.Config(variant="ma", num_thoughts=3, num_answers=2, system_prompt="", reward_fn=reward_fn)
+    rows, metrics = grpo.rollout_ma(None, tok, cfg, [{"question": "1+2=", "answer": "3", "rephrasings": []}])
+    assert metrics["unclosed_thoughts"].tolist() == [False, True, False]
+    return rows
+
+
+@pytest.mark.parametrize("reward_fn", ["", f"{REWARDS}:last_number"])
+def test_both_shipped_rewards_value_a_cut_thought_at_0_so_runs_keep_their_numbers(tiny, reward_fn, monkeypatch):
+    """An open thought is scored as a completion cut short. correct and last_number both give that 0, which was the
+    old rule's V, so thought 1 (cut) ties with thought 2 (both answers wrong): V = 1, 0, 0 and A(th) = (2/3, -1/3,
+    -1/3) / (std 0.5774 + 1e-4), as before."""
+    rows = cut_thought_rollout(tiny[1], reward_fn, monkeypatch)
+    assert rows.outcomes[:3].tolist() == [1.0, 0.0, 0.0]
+    expected = torch.tensor([2 / 3, -1 / 3, -1 / 3]) / (math.sqrt(1 / 3) + 1e-4)
+    assert torch.allclose(rows.advantages[:3], expected, atol=1e-5)
+
+
+def test_a_reward_that_punishes_a_cut_completion_ranks_an_open_thought_below_a_wrong_one(tiny, tmp_path,
+                                                                                       monkeypatch):
+    """With a reward of -1 for anything unfinished, the cut thought 1 gets V = -1, below thought 2 whose answers both
+    scored 0: V = 1, -1, 0, mean 0, unbiased std 1, so A(th) = (1, -1, 0) / 1.0001. Under the old rule (V = 0 for an
+    open thought) thoughts 1 and 2 tied, and a policy was not taught to close its thoughts."""
+    reward = write(tmp_path, "cut.py", "def minus_one_if_cut(completions, answer, finished, **kwargs):\n"
+                   "    return [float(c.endswith(f'<answer>{a}</answer>')) if f else -1.0\n"
+                   "            for c, a, f in zip(completions, answer, finished)]\n")
+    rows = cut_thought_rollout(tiny[1], f"{reward}:minus_one_if_cut", monkeypatch)
+    assert rows.outcomes[:3].tolist() == [1.0, -1.0, 0.0]
+    assert torch.allclose(rows.advantages[:3], torch.tensor([1.0, -1.0, 0.0]) / 1.0001, atol=1e-5)
+    assert rows.advantages[1] < rows.advantages[2]
 
 
 def unpad(ids, mask):
@@ -3096,7 +3226,8 @@ def test_sampling_ignores_the_generation_configs_knobs(qwen, tmp_path):
     for model in (plain_model, knob_model):
         torch.manual_seed(0)
         samples.append(grpo.generate(model, tok, prompts, 8, 12, temperature=0.9))
-    assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1])
+    assert torch.equal(samples[0].completion_ids, samples[1].completion_ids)
+    assert torch.equal(samples[0].completion_mask, samples[1].completion_mask)
 
 
 # -----------------------------------------------------------------------------
@@ -3388,7 +3519,7 @@ def test_cuda_one_step_of_each_variant_at_the_qwen25_05b_shape(qwen05b, variant,
     torch.cuda.reset_peak_memory_stats()
     grpo.main(["--model", str(qwen05b), "--data", str(sums / "train.jsonl"), "--test-data", str(sums / "test.jsonl"),
                "--variant", variant, "--steps", "1", "--prompts-per-step", "4", "--max-new-tokens", "64",
-               "--eval-limit", "4", "--eval-samples", "2", "--beta", "0.04", "--lr", "1e-6", "--micro-batch-size", "8",
+               "--eval-limit", "4", "--eval-samples", "2", "--beta", "0.04", "--lr", "1e-6", "--micro-batch-tokens", "4096",
                "--gradient-checkpointing", "--out", str(tmp_path / "run"), *flags])
     assert capsys.readouterr().out.startswith("grpo.py: cuda:0, weights torch.float32, autocast bf16\n")
     step = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in l][0]
@@ -3419,8 +3550,8 @@ def test_cuda_greedy_sampling_equals_hf_generate_in_float32(qwen05b):
 
 # The GPU recipe of the README, as flags (its model and data aside).
 RECIPE = ["--system-prompt", BOXED, *LAST_NUMBER, "--max-new-tokens", "512", "--lr", "1e-6",
-          "--warmup-steps", "0", "--micro-batch-size", "16", "--gradient-checkpointing", "--eval-limit", "200",
-          "--eval-batch-size", "256", "--steps", "200"]
+          "--warmup-steps", "0", "--micro-batch-tokens", "16384", "--gradient-checkpointing", "--eval-limit", "200",
+          "--eval-batch-tokens", "131072", "--steps", "200"]
 
 
 @cuda
@@ -3506,9 +3637,9 @@ def test_bench_memory_at_the_qwen25_05b_shape(qwen05b):
         for checkpointing in (False, True):
             model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
             model.train()
-            cfg = grpo.Config(micro_batch_size=4)
+            cfg = grpo.Config(micro_batch_tokens=4 * 662)  # every row is 662 tokens
             grpo.update(model, None, sgd, rows(1), cfg)
-            cfg.micro_batch_size = 16 if checkpointing else 4
+            cfg.micro_batch_tokens = (16 if checkpointing else 4) * 662
             sizes = (1, 4, 16) if checkpointing else (1, 2, 4)  # 16 rows without it would not fit in 24 GB
             peaks = {n: peak_bytes(device, lambda: grpo.update(model, None, sgd, rows(n), cfg)) for n in sizes}
             print(f"update, gradient checkpointing {'on' if checkpointing else 'off'}: peak above the weights "
@@ -3546,7 +3677,7 @@ def ddp_case(loss_type, cache={}):
         advantages = torch.randn(32, generator=torch.Generator().manual_seed(1))
         cache.update(model=model, rows=make_rows([prompts[i // 4] for i in range(32)], ids, mask, advantages))
     model, ref = copy.deepcopy(cache["model"]), copy.deepcopy(cache["model"]).eval()
-    cfg = grpo.Config(loss_type=loss_type, micro_batch_size=5, num_iterations=2, beta=0.05, epsilon=0.1)
+    cfg = grpo.Config(loss_type=loss_type, micro_batch_tokens=300, num_iterations=2, beta=0.05, epsilon=0.1)
     # an SGD step is the gradient itself, so the comparison is as tight as float32 sums allow
     return model, ref, cache["rows"], cfg, torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -3580,8 +3711,9 @@ def rollout_and_eval_metrics(rank, world):
         cfg = grpo.Config(variant=variant, system_prompt="", num_thoughts=2, num_answers=2, num_generations=2,
                           num_rephrasings=2, max_new_tokens=24, max_answer_tokens=12)
         out[variant] = grpo.mean_over_ranks(grpo.ROLLOUTS[variant](lm, tok, cfg, batch)[1])
-    out["eval"] = grpo.evaluate(model, tok, grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12],
-                                grpo.Config(eval_samples=3, eval_batch_size=6))
+    examples = grpo.load_jsonl(HERE / "data" / "test.jsonl")[:12]
+    row_tokens = max(len(grpo.prompt_ids(tok, CFG, ex["question"])) for ex in examples) + CFG.max_new_tokens
+    out["eval"] = grpo.evaluate(model, tok, examples, grpo.Config(eval_samples=3, eval_batch_tokens=6 * row_tokens))
     return out
 
 
@@ -3891,7 +4023,7 @@ def test_bench_ta_lambda_pushes_against_the_rephrasings_answers(tiny):
         for name, weights in zip(shares, (rows.loss_weights, rows.loss_weights * pool,
                                           grpo.lambda_rows(rows, True)[0].loss_weights)):
             whole = grad(rows, weights, torch.ones(len(rows.contexts), dtype=torch.bool)).norm()
-            off = rows.off_policy
+            off = rows.context_swapped
             shares[name].append([(grad(rows, weights, off & (rows.advantages > 0)).norm() / whole).item(),
                                  (grad(rows, weights, off & (rows.advantages < 0)).norm() / whole).item()])
     model.zero_grad(set_to_none=True)
@@ -3899,3 +4031,65 @@ def test_bench_ta_lambda_pushes_against_the_rephrasings_answers(tiny):
     for name, values in shares.items():
         pos, neg = (statistics.mean(v[i] for v in values) for i in (0, 1))
         print(f"| {name} | {pos:.2f} × the update | {neg:.2f} × the update |")
+
+
+# -----------------------------------------------------------------------------
+# data/one_step.py: the figure of one step of each scheme
+
+
+def test_the_one_step_figure_draws_the_numbers_of_grpo_py(tmp_path):
+    """python data/one_step.py draws one seeded step of each scheme and returns the table it draws. Each number is
+    worked again here from the rows' text alone: r by score, A by its scheme's formula (mean, unbiased std + 1e-4),
+    each token's w·A with dapo's 1 / (the tokens of its part of J), and |λ| by counting equal prefixes among the
+    rows sampled after one context (1 for TA's rows asked as q1 and trained given q0). The λ panel holds the GRPO
+    panel's rows, each coefficient divided by |λ|."""
+    import data.one_step as one_step
+    panels = one_step.main(["--out", str(tmp_path / "one-step.png")])
+    assert (tmp_path / "one-step.png").stat().st_size > 20_000
+    answer = grpo.load_jsonl(HERE / "data" / "train.jsonl")[one_step.QUESTION]["answer"]
+    text = lambda row: "".join(t for t in row.tokens if t != "<eos>")
+
+    def normalised(r):
+        r = torch.tensor(r)
+        return torch.zeros_like(r) if r.max() == r.min() else (r - r.mean()) / (r.std() + 1e-4)
+
+    def prefix_counts(rows):  # |λ| of each token: the rows whose first t + 1 tokens are equal to this row's
+        return [[sum(other.tokens[:t + 1] == row.tokens[:t + 1] for other in rows) for t in range(len(row.tokens))]
+                for row in rows]
+
+    def check(rows, rewards, advantages, part_of, lambdas):
+        tokens = {}
+        for row in rows:
+            tokens[part_of(row)] = tokens.get(part_of(row), 0) + len(row.tokens)
+        for row, r, a, lam in zip(rows, rewards, advantages, lambdas):
+            assert row.outcome == pytest.approx(r) and row.advantage == pytest.approx(float(a), abs=1e-5)
+            assert row.coefficients == pytest.approx([float(a) / tokens[part_of(row)]] * len(row.tokens), abs=1e-6)
+            assert row.lambdas == lam
+
+    plain, ma, ta, lam = panels.values()
+    finished = lambda row: row.tokens[-1] == "<eos>"
+    r = [grpo.score(text(row), answer, finished(row)) for row in plain]
+    check(plain, r, normalised(r), lambda row: 0, prefix_counts(plain))
+    assert 0 < sum(r) < len(r)
+    thoughts = [row for row in ma if "answer" not in row.label]
+    answers = {k: [row for row in ma if row.label.startswith(f"q + thought {k} |")] for k in range(len(thoughts))}
+    r = {k: [grpo.score(text(thoughts[k]) + text(row), answer, finished(row)) for row in rows]
+         for k, rows in answers.items()}
+    assert all(len(rows) == 2 for rows in answers.values())  # every thought closed, with M = 2 answers
+    V = [sum(r[k]) / 2 for k in range(len(thoughts))]
+    check(thoughts, V, normalised(V), lambda row: 0, prefix_counts(thoughts))
+    flat = [x for k in answers for x in r[k]]
+    by_context = {}  # answers after equal thoughts share one context
+    for k, rows in answers.items():
+        by_context.setdefault(text(thoughts[k]), []).extend(rows)
+    lambdas = [prefix_counts(by_context[text(thoughts[k])])[by_context[text(thoughts[k])].index(row)]
+               for k, rows in answers.items() for row in rows]
+    check([row for k in answers for row in answers[k]], flat, normalised(flat), lambda row: 1, lambdas)
+    r = [grpo.score(text(row), answer, finished(row)) for row in ta]
+    asked_q0 = [row for row in ta if row.label.startswith("q0")]
+    check(ta, r, normalised(r), lambda row: 0,
+          prefix_counts(asked_q0) + [[1] * len(row.tokens) for row in ta[len(asked_q0):]])
+    assert all(row.label.endswith("given q0") for row in ta) and len(asked_q0) < len(ta)
+    for a, b in zip(plain, lam):
+        assert a.tokens == b.tokens and a.lambdas == b.lambdas
+        assert [c * n for c, n in zip(b.coefficients, b.lambdas)] == pytest.approx(a.coefficients, abs=1e-7)

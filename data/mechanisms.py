@@ -56,7 +56,8 @@ def thought_advantage_spread(draw, thought_question, M: int, repeats: int):
     draw(M) returns the rewards of M new answers to each thought, thought-major; thought_question gives each
     thought's prompt, as in grpo.ma_advantages. The variance is unbiased, so the average over thoughts is too."""
     answer_thought = torch.arange(len(thought_question)).repeat_interleave(M)
-    draws = [grpo.ma_advantages(draw(M), answer_thought, thought_question) for _ in range(repeats)]
+    no_cut = torch.zeros(len(thought_question))  # every thought has its M answers, so no cut reward is read
+    draws = [grpo.ma_advantages(draw(M), answer_thought, thought_question, no_cut) for _ in range(repeats)]
     spread = lambda values: torch.stack(values).var(0).mean().sqrt().item()
     return spread([a for a, _, _ in draws]), spread([v for _, _, v in draws])
 
