@@ -2239,6 +2239,23 @@ def test_a_checkpoint_saved_before_a_flag_existed_resumes(tmp_path):
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()][-2:] == [3, 3]
 
 
+def test_a_checkpoint_saved_with_the_old_batch_flags_resumes_with_the_token_budgets(tmp_path):
+    """A run saved at 0822bb7 holds micro_batch_size and eval_batch_size in its flags.json, and no token budget. A
+    flag that Config no longer has is not compared, and the budgets compare as their defaults: the run resumes bit
+    for bit against the same run made in one go. The budgets are RESUMABLE, so a later resume may change them."""
+    grpo.main(SMALL + ["--out", str(tmp_path / "whole"), "--steps", "4"])
+    out = tmp_path / "run"
+    grpo.main(SMALL + ["--out", str(out), "--steps", "2"])
+    flags_file = out / "checkpoint-2" / "flags.json"
+    flags = json.loads(flags_file.read_text())
+    old = {k: v for k, v in flags.items() if k not in ("micro_batch_tokens", "eval_batch_tokens")}
+    flags_file.write_text(json.dumps(old | {"micro_batch_size": 64, "eval_batch_size": 512}))
+    assert run(*SMALL, "--out", str(out), "--steps", "4", "--resume") is None
+    assert_same_run(out, tmp_path / "whole", step=4)
+    assert run(*SMALL, "--out", str(out), "--steps", "6", "--resume", "--micro-batch-tokens", "100",
+               "--eval-batch-tokens", "500") is None
+
+
 def test_the_loops_autocast_reuses_no_cast(tmp_path, monkeypatch):
     """train's bf16 autocast, as it is opened: a forward after an optimizer step sees the new weights (a cached cast
     would be stale), and a pass with gradients after one under no_grad gets the gradients of one alone (a cast
@@ -4093,3 +4110,81 @@ def test_the_one_step_figure_draws_the_numbers_of_grpo_py(tmp_path):
     for a, b in zip(plain, lam):
         assert a.tokens == b.tokens and a.lambdas == b.lambdas
         assert [c * n for c, n in zip(b.coefficients, b.lambdas)] == pytest.approx(a.coefficients, abs=1e-7)
+
+
+# -----------------------------------------------------------------------------
+# The SmolLM2 recipe's memory: its peak and its step at several token budgets, beside 0822bb7's
+
+
+BEFORE_BUDGETS = "0822bb7"  # the last commit with --micro-batch-size 64 and --eval-batch-size 512
+
+
+def readme_smollm2_flags():
+    """The README's SmolLM2 command as flags, read from README.md."""
+    readme = (HERE / "README.md").read_text()
+    command = re.search(r"^python grpo\.py --model data/smollm2 .*?(?<!\\)$", readme, re.M | re.S)[0]
+    return shlex.split(command.replace("\\\n", " "))[2:]
+
+
+def peak_and_steps(script, flags, out, env=None):
+    """Run `python script flags` in a process of its own from the repository root; its peak resident memory in GB
+    (the high-water mark that wait4 reports for it, as /usr/bin/time -v does) and each step's time/step."""
+    with open(out.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen([sys.executable, str(script), *flags, "--out", str(out), "--overwrite"], cwd=HERE,
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+    assert status == 0, out.with_suffix(".log").read_text()[-2000:]
+    steps = [l["time/step"] for l in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in l]
+    return usage.ru_maxrss * 1024 / 1e9, steps
+
+
+@bench
+def test_bench_the_smollm2_recipes_peak_and_step_at_each_token_budget(smollm2, tmp_path):
+    """GRPO_BENCH=1 python -m pytest -q -s -k smollm2_recipes_peak (about 30 min on 2 cores): the README's SmolLM2
+    command as written, for 2 steps with its two evals, each run a process of its own: at --micro-batch-tokens 256
+    (the README's), 512 and 1024 (the default), at 256 and 1024 with --gradient-checkpointing, and grpo.py at
+    0822bb7 (from git) with its own settings, 64 rows a micro-batch and 512 rows an eval chunk. Two rounds alternate
+    them. It prints each one's peak resident memory and its time a step (the median of the 4 steps), and the ratio
+    of that time to 0822bb7's. Then where the peak goes: the process with grpo.py imported, the float32 weights,
+    gradients and AdamW's two moments (4 + 4 + 8 bytes a parameter), the README's run with glibc handing every freed
+    block over 64 kB back (so its peak is the live memory), and what the allocator kept besides (the difference)."""
+    old = tmp_path / "grpo_0822bb7.py"
+    old.write_text(subprocess.run(["git", "show", f"{BEFORE_BUDGETS}:grpo.py"], cwd=HERE, capture_output=True,
+                                  text=True, check=True).stdout)
+    flags = readme_smollm2_flags()
+    i = flags.index("--model")
+    flags[i + 1] = str(smollm2 / "model")
+    flags += ["--steps", "2"]
+    budget = flags.index("--micro-batch-tokens")
+    readme_budget = flags[budget + 1]
+    without_budget = flags[:budget] + flags[budget + 2:]
+    runs = {BEFORE_BUDGETS: (old, without_budget), f"{readme_budget} (README)": (HERE / "grpo.py", flags)}
+    for tokens in ("512", "1024"):
+        runs[tokens] = (HERE / "grpo.py", without_budget + ["--micro-batch-tokens", tokens])
+    for tokens in (readme_budget, "1024"):
+        runs[f"{tokens} + checkpointing"] = (HERE / "grpo.py", without_budget + ["--micro-batch-tokens", tokens,
+                                                                                "--gradient-checkpointing"])
+    peaks, steps = {name: [] for name in runs}, {name: [] for name in runs}
+    print(f"\n{torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores")
+    for round in range(2):
+        for name, (script, run_flags) in runs.items():
+            peak, times = peak_and_steps(script, run_flags, tmp_path / f"{round}-{len(peaks[name])}-{hash(name)}")
+            peaks[name].append(peak)
+            steps[name] += times
+            print(f"round {round}: {name}: peak {peak:.2f} GB, steps {', '.join(f'{t:.1f}' for t in times)} s",
+                  flush=True)
+    before = statistics.median(steps[BEFORE_BUDGETS])
+    print("\n| --micro-batch-tokens | peak resident GB (rounds) | s a step, median | vs 0822bb7 |\n|---|---|---|---|")
+    for name in runs:
+        print(f"| {name} | {max(peaks[name]):.2f} ({', '.join(f'{p:.2f}' for p in peaks[name])}) | "
+              f"{statistics.median(steps[name]):.1f} | {statistics.median(steps[name]) / before:.2f}x |")
+    probe = subprocess.Popen([sys.executable, "-c", "import grpo"], cwd=HERE)
+    _, _, usage = os.wait4(probe.pid, 0)
+    params = sum(t.numel() for t in load_file(smollm2 / "model" / "model.safetensors").values())
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    live, _ = peak_and_steps(HERE / "grpo.py", flags, tmp_path / "live", env=env)
+    print(f"\nwhere the README's peak goes: grpo.py imported {usage.ru_maxrss * 1024 / 1e9:.2f} GB; "
+          f"{params / 1e6:.1f}M parameters: weights {params * 4 / 1e9:.2f}, gradients {params * 4 / 1e9:.2f}, "
+          f"AdamW's moments {params * 8 / 1e9:.2f} GB; live peak {live:.2f} GB, so activations and temporaries "
+          f"{live - usage.ru_maxrss * 1024 / 1e9 - params * 16 / 1e9:.2f} GB; the allocator kept "
+          f"{max(peaks[f'{readme_budget} (README)']) - live:.2f} GB more")

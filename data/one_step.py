@@ -110,7 +110,7 @@ def table(model, tokenizer, examples):
 SHORT = {"<think>": "<t>", "</think>": "</t>", "<answer>": "<a>", "</answer>": "</a>"}
 
 
-def draw(panels, path):
+def draw(panels, path, question):
     """One panel per scheme: each row a line of cells, coloured by w·A on one scale for all panels."""
     import matplotlib
     matplotlib.use("Agg")
@@ -122,9 +122,12 @@ def draw(panels, path):
     width = max(row.start + len(row.tokens) for rows in panels.values() for row in rows)
     figure, axes = plt.subplots(len(panels), 1, figsize=(3.4 + 0.36 * width, 0.42 * sum(heights) + 0.8),
                                 gridspec_kw={"height_ratios": heights})
-    figure.suptitle("One step of each scheme: a cell is a completion token, coloured by w·A, its coefficient on "
-                    "log π in the loss\n(red: pushed up, blue: pushed down); the small number is |λ(i,t)|, the rows "
-                    "of its context that share its prefix", fontsize=10, x=0.02, ha="left")
+    figure.suptitle(f"One step of each scheme on the tiny model, q = {question['question']} (answer "
+                    f"{question['answer']}). A cell is a completion token, coloured by w·A, its coefficient on "
+                    "log π in the loss\n(red: the step pushes the token up, blue: down). The small number under it "
+                    "is |λ(i,t)|, the rows of its context that share its prefix up to it.", fontsize=10, x=0.01,
+                    y=0.995, ha="left")
+    figure.subplots_adjust(top=0.93, hspace=0.3)
     for ax, (title, rows) in zip(axes, panels.items()):
         ax.set_title(title, loc="left", fontsize=10, fontweight="bold")
         for y, row in enumerate(rows):
@@ -155,13 +158,14 @@ def main(argv=None):
     parser.add_argument("--out", default=str(HERE / "one-step.png"))
     args = parser.parse_args(argv)
     model, tokenizer = grpo.load_model(str(HERE / "tiny"), torch.device("cpu"))
-    panels = table(model, tokenizer, grpo.load_jsonl(HERE / "train.jsonl"))
+    examples = grpo.load_jsonl(HERE / "train.jsonl")
+    panels = table(model, tokenizer, examples)
     for title, rows in panels.items():
         print(f"\n{title}")
         for row in rows:
             print(f"  {row.label:28s} r/V {row.outcome:5.2f}  A {row.advantage:+.3f}  Σ w·A "
                   f"{sum(row.coefficients):+.4f}  {''.join(row.tokens)}")
-    draw(panels, args.out)
+    draw(panels, args.out, examples[QUESTION])
     print(f"\nwrote {args.out}")
     return panels
 
