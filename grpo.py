@@ -89,7 +89,7 @@ class Config:
     max_grad_norm: float = 1.0
     seed: int = 0
     autocast: Literal["auto", "bf16", "off"] = "auto"  # of every forward pass; auto: bf16 on CUDA
-    micro_batch_tokens: int = 4096  # padded tokens per forward and backward pass of the update
+    micro_batch_tokens: int = 1024  # padded tokens per forward and backward pass of the update
     gradient_checkpointing: bool = False  # less activation memory for more compute
     steps: int = 100
     test_data: str = str(Path(__file__).parent / "data/test.jsonl")  # held out, for the eval

@@ -4127,48 +4127,54 @@ def readme_smollm2_flags():
 
 
 def peak_and_steps(script, flags, out, env=None):
-    """Run `python script flags` in a process of its own from the repository root; its peak resident memory in GB
-    (the high-water mark that wait4 reports for it, as /usr/bin/time -v does) and each step's time/step."""
+    """Run `python script flags` under /usr/bin/time -v from the repository root, so that the peak resident memory
+    is the run's own (the pytest process's pages, which a forked child counts until it executes, are not in it):
+    that peak in GB and each step's time/step."""
     with open(out.with_suffix(".log"), "w") as log:
-        process = subprocess.Popen([sys.executable, str(script), *flags, "--out", str(out), "--overwrite"], cwd=HERE,
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(process.pid, 0)
-    assert status == 0, out.with_suffix(".log").read_text()[-2000:]
-    steps = [l["time/step"] for l in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in l]
-    return usage.ru_maxrss * 1024 / 1e9, steps
+        subprocess.run(["/usr/bin/time", "-v", sys.executable, str(script), *flags], cwd=HERE, stdout=log,
+                       stderr=subprocess.STDOUT, env=env, check=True)
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.with_suffix(".log").read_text())[1]
+    metrics = out / "metrics.jsonl"
+    steps = [l["time/step"] for l in map(json.loads, metrics.read_text().splitlines()) if "lr" in l] if (
+        metrics.exists()) else []
+    return int(peak) * 1024 / 1e9, steps
 
 
 @bench
 def test_bench_the_smollm2_recipes_peak_and_step_at_each_token_budget(smollm2, tmp_path):
-    """GRPO_BENCH=1 python -m pytest -q -s -k smollm2_recipes_peak (about 30 min on 2 cores): the README's SmolLM2
-    command as written, for 2 steps with its two evals, each run a process of its own: at --micro-batch-tokens 256
-    (the README's), 512 and 1024 (the default), at 256 and 1024 with --gradient-checkpointing, and grpo.py at
-    0822bb7 (from git) with its own settings, 64 rows a micro-batch and 512 rows an eval chunk. Two rounds alternate
-    them. It prints each one's peak resident memory and its time a step (the median of the 4 steps), and the ratio
-    of that time to 0822bb7's. Then where the peak goes: the process with grpo.py imported, the float32 weights,
-    gradients and AdamW's two moments (4 + 4 + 8 bytes a parameter), the README's run with glibc handing every freed
-    block over 64 kB back (so its peak is the live memory), and what the allocator kept besides (the difference)."""
+    """GRPO_BENCH=1 python -m pytest -q -s -k smollm2_recipes_peak (about 35 min on 2 cores): the README's SmolLM2
+    command, for 2 steps with its two evals, each run a process of its own under /usr/bin/time -v: as written
+    (--micro-batch-tokens 256 --gradient-checkpointing), at 128 with checkpointing, at 256 and 1024 (the default)
+    without it, at 1024 with it, and grpo.py at 0822bb7 (from git) with its own settings, 64 rows a micro-batch and
+    512 rows an eval chunk. Two rounds alternate them. It prints each one's peak resident memory and its time a step
+    (the median of the 4 steps), and the ratio of that time to 0822bb7's. Then where the README's peak goes: a
+    process that imports grpo.py, the float32 weights, gradients and AdamW's two moments (4 + 4 + 8 bytes a
+    parameter), the README's run with glibc handing every freed block over 64 kB back (so its peak is the live
+    memory), and what the allocator kept besides (the difference)."""
+    if not Path("/usr/bin/time").exists():
+        pytest.skip("the benchmark reads the peak from GNU time: apt install time")
     old = tmp_path / "grpo_0822bb7.py"
     old.write_text(subprocess.run(["git", "show", f"{BEFORE_BUDGETS}:grpo.py"], cwd=HERE, capture_output=True,
                                   text=True, check=True).stdout)
     flags = readme_smollm2_flags()
-    i = flags.index("--model")
-    flags[i + 1] = str(smollm2 / "model")
-    flags += ["--steps", "2"]
+    flags[flags.index("--model") + 1] = str(smollm2 / "model")
+    flags += ["--steps", "2", "--overwrite"]
     budget = flags.index("--micro-batch-tokens")
-    readme_budget = flags[budget + 1]
-    without_budget = flags[:budget] + flags[budget + 2:]
-    runs = {BEFORE_BUDGETS: (old, without_budget), f"{readme_budget} (README)": (HERE / "grpo.py", flags)}
-    for tokens in ("512", "1024"):
-        runs[tokens] = (HERE / "grpo.py", without_budget + ["--micro-batch-tokens", tokens])
-    for tokens in (readme_budget, "1024"):
-        runs[f"{tokens} + checkpointing"] = (HERE / "grpo.py", without_budget + ["--micro-batch-tokens", tokens,
-                                                                                "--gradient-checkpointing"])
+    readme = f"README: {flags[budget + 1]} + checkpointing"
+    assert flags[budget + 2] == "--gradient-checkpointing"
+    plain = flags[:budget] + flags[budget + 3:]  # neither flag: 0822bb7 has no budget
+    runs = {BEFORE_BUDGETS: (old, plain), readme: (HERE / "grpo.py", flags),
+            "128 + checkpointing": (HERE / "grpo.py", plain + ["--micro-batch-tokens", "128",
+                                                               "--gradient-checkpointing"]),
+            "256": (HERE / "grpo.py", plain + ["--micro-batch-tokens", "256"]),
+            "1024, the default": (HERE / "grpo.py", plain),
+            "1024 + checkpointing": (HERE / "grpo.py", plain + ["--gradient-checkpointing"])}
     peaks, steps = {name: [] for name in runs}, {name: [] for name in runs}
-    print(f"\n{torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores")
+    print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores")
     for round in range(2):
-        for name, (script, run_flags) in runs.items():
-            peak, times = peak_and_steps(script, run_flags, tmp_path / f"{round}-{len(peaks[name])}-{hash(name)}")
+        for n, (name, (script, run_flags)) in enumerate(runs.items()):
+            out = tmp_path / f"run{round}{n}"
+            peak, times = peak_and_steps(script, run_flags + ["--out", str(out)], out)
             peaks[name].append(peak)
             steps[name] += times
             print(f"round {round}: {name}: peak {peak:.2f} GB, steps {', '.join(f'{t:.1f}' for t in times)} s",
@@ -4178,13 +4184,12 @@ def test_bench_the_smollm2_recipes_peak_and_step_at_each_token_budget(smollm2, t
     for name in runs:
         print(f"| {name} | {max(peaks[name]):.2f} ({', '.join(f'{p:.2f}' for p in peaks[name])}) | "
               f"{statistics.median(steps[name]):.1f} | {statistics.median(steps[name]) / before:.2f}x |")
-    probe = subprocess.Popen([sys.executable, "-c", "import grpo"], cwd=HERE)
-    _, _, usage = os.wait4(probe.pid, 0)
+    imported, _ = peak_and_steps("-c", ["import grpo"], tmp_path / "imported")
     params = sum(t.numel() for t in load_file(smollm2 / "model" / "model.safetensors").values())
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    live, _ = peak_and_steps(HERE / "grpo.py", flags, tmp_path / "live", env=env)
-    print(f"\nwhere the README's peak goes: grpo.py imported {usage.ru_maxrss * 1024 / 1e9:.2f} GB; "
-          f"{params / 1e6:.1f}M parameters: weights {params * 4 / 1e9:.2f}, gradients {params * 4 / 1e9:.2f}, "
-          f"AdamW's moments {params * 8 / 1e9:.2f} GB; live peak {live:.2f} GB, so activations and temporaries "
-          f"{live - usage.ru_maxrss * 1024 / 1e9 - params * 16 / 1e9:.2f} GB; the allocator kept "
-          f"{max(peaks[f'{readme_budget} (README)']) - live:.2f} GB more")
+    live, _ = peak_and_steps(HERE / "grpo.py", flags + ["--out", str(tmp_path / "live")], tmp_path / "live",
+                             env=env)
+    print(f"\nwhere the README's peak goes: grpo.py imported {imported:.2f} GB; {params / 1e6:.1f}M parameters: "
+          f"weights {params * 4 / 1e9:.2f}, gradients {params * 4 / 1e9:.2f}, AdamW's moments "
+          f"{params * 8 / 1e9:.2f} GB; live peak {live:.2f} GB, so activations and temporaries "
+          f"{live - imported - params * 16 / 1e9:.2f} GB; the allocator kept {max(peaks[readme]) - live:.2f} GB more")
