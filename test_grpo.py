@@ -276,6 +276,16 @@ def test_section_1_runs_alone_with_math_and_torch(tmp_path):
     assert runner.failures == 0 and runner.tries >= len(names)
 
 
+def test_the_knobs_come_first_and_the_glossary_defines_the_words_of_a_row():
+    """nanoGPT's order: Config is section 0, before the schemes. The module docstring defines each word a reader
+    meets in a row before meeting it, group, context, part and a swapped context, and names no line count."""
+    src = (HERE / "grpo.py").read_text()
+    assert src.index("class Config:") < src.index("# 1. The schemes and the loss") < src.index("class Rows:")
+    glossary = grpo.__doc__[grpo.__doc__.index("Each symbol has one meaning"):]
+    assert all(f"\n    {word}:" in glossary for word in ("group", "context", "part", "swapped context"))
+    assert "context_swapped" in grpo.Rows.__dataclass_fields__ and "off_policy" not in src
+
+
 def test_update_works_one_grpo_step_by_hand(tiny):
     """One prompt, four completions, reference 7: rewards 1, 0, 0, 1 (score). Mean 0.5, unbiased std sqrt(1/3):
     A = ±0.5 / (0.57735 + 1e-4) = ±0.86588. Lengths 4, 4, 2, 4 with EOS: 14 tokens, so w = 1/14 (dapo). At μ = 1
