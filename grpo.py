@@ -137,7 +137,7 @@ def ma_advantages(rewards, answer_thought, thought_question, cut_rewards, scale=
     """GRPO-MA's advantages, from the answers' rewards, each answer's thought, each thought's
     question and each thought's reward as a cut completion. It returns A(th), A(ans) and V:
         V(th)   = the mean reward of the answers to th. A thought that never closed has no answers,
-                  so V(th) = cut_rewards[th], its reward as GRPO scores a completion cut short
+                  so V(th) = cut_rewards[th], its own reward as GRPO would score it
         A(th)   = V(th) normalised over the K thoughts of the same question
         A(ans)  = r(ans) normalised over all answers to the same question, not per thought
 
@@ -450,8 +450,8 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
     </think>. Each closed thought gets M answers, sampled after the prompt and the thought. An open
-    thought gets no answers, so its V is its reward as GRPO scores a completion cut short: 0 for
-    both shipped rewards. With one question, K = 3, M = 2 and thought 1 open, the rows are:
+    thought gets no answers, so its V is its own reward as GRPO would score it: 0 for both shipped
+    rewards when it was cut at its limit. The rows of one question, K = 3, M = 2, thought 1 open:
         row  context             completion                advantage  part  w (batch_weights)
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
         3-4  prompt + thought 0  answers 0 and 1 to it     A(a_0m)    1     1 / (answer tokens)
@@ -478,7 +478,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     answer_question = thought_question[answer_thought]  # [0 0 0 0]: an answer's question
     rewards = score_batch(cfg, [batch[p] for p in answer_question], texts, answers.finished)
     cut_rewards = score_batch(cfg, [batch[p] for p in thought_question], thought_texts,
-                              thoughts.finished)  # each thought scored as it ended; read if open
+                              thoughts.finished)  # as GRPO would; ma_advantages reads the open
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_question,
                                                     cut_rewards, cfg.scale_rewards)
     # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
@@ -552,11 +552,11 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     ta, and under ma with --ma-weighting tokens, the batch is one part. Otherwise GRPO-MA's two
     parts are a token mean each, with their own length limits. With dapo, 40 thought tokens and 120
     answer tokens on all ranks, a thought token's w is 1/40, an answer token's 1/120: Σ w is 2."""
-    limits = [cfg.max_new_tokens, cfg.max_answer_tokens if cfg.variant == "ma" else 0]
+    limits = [cfg.max_new_tokens, cfg.max_answer_tokens]  # ma: the thoughts' and the answers'
     if cfg.variant != "ma" or cfg.ma_weighting == "tokens":  # one part: the whole batch
         num_rows, num_tokens = counts.sum(0).tolist()  # every rank's rows and tokens
-        return aggregation_weights(rows.completion_mask, cfg.loss_type, num_rows, num_tokens,
-                                   max(limits))
+        limit = max(limits) if cfg.variant == "ma" else cfg.max_new_tokens  # dr_grpo's constant
+        return aggregation_weights(rows.completion_mask, cfg.loss_type, num_rows, num_tokens, limit)
     weights = torch.zeros(rows.completion_mask.shape)  # GRPO-MA's two parts, a mean each
     for p, limit in enumerate(limits):
         num_rows, num_tokens = counts[p].tolist()  # every rank's rows and tokens in part p
@@ -566,10 +566,10 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
 
 def lambda_rows(rows: Rows, enabled: bool):
     """w_it <- w_it / |λ(i,t)| if enabled, where λ(i,t) holds the rows sampled after row i's context
-    that train in it and share row i's tokens 0 to t. This is λ-GRPO's weighting, for any variant.
-    The rows of one context are a question's G completions or K thoughts, a thought's M answers, or
-    a phrasing's G responses. A row whose context is swapped keeps its w, because λ's premise fails
-    there (RESULTS.md). The function also returns |λ| of each masked token, for the log."""
+    that train in it and share row i's tokens 0 to t: λ-GRPO's weighting, for any variant. The
+    rows of one context are a question's G completions or K thoughts, a thought's M answers, or a
+    phrasing's G responses. A swapped row keeps its w, as it was drawn in another context's tree.
+    It also returns each masked token's |λ| for the log's lambda_mean, so it runs with λ off."""
     on = ~rows.context_swapped  # (B,) the rows sampled after the context they train in
     contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
     context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
@@ -587,9 +587,9 @@ def completion_logps(model, rows: Rows, temperature: float):
         input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
         predicts         t1 t2  -         position 3 - 1 + j predicts token j, where mask is 1
 
-    hidden[predicts] and logps[mask] read their grids row by row, left to right, and row i has n_i
-    entries in each, so the k-th hidden state taken predicts the k-th token taken. The lm_head
-    runs on chunks of ~2**25 logits, so memory does not grow with a 150k vocabulary."""
+    For row i, with c context tokens and n completion tokens, this is the log softmax of
+    lm_head(hidden[i, c-1 : c-1+n]) at those n tokens. The code takes all rows at once, and
+    hidden[predicts] and logps[mask] both list row 0's entries, then row 1's, so they line up."""
     mask, n = rows.completion_mask.bool(), rows.completion_mask.sum(1)  # n tokens, then padding
     seqs = [c + row[:k].tolist() for c, row, k in zip(rows.contexts, rows.completion_ids, n)]
     ids, attention = (x.to(n.device) for x in pad_ids(seqs, 0, "right"))  # (B, S)
@@ -597,7 +597,7 @@ def completion_logps(model, rows: Rows, temperature: float):
     position = torch.arange(ids.shape[1], device=n.device)  # (S,)
     predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
     hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), in logps[mask]'s order
-    chunk = max(1, 2**25 // model.lm_head.out_features)
+    chunk = max(1, 2**25 // model.lm_head.out_features)  # so memory does not grow with the vocab
     def chunk_logps(h, t):
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -676,9 +676,9 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
         "prompts_drawn": torch.tensor(P * len(draws))}
 
 def train(cfg) -> dict:
-    """Train as configured and return rank 0's summary. In each step three numbered blocks take the
-    batch from the rollout to the update. In one process W = 1 and rank = 0, gather returns its
-    input and sum_gradients does nothing. An editor of the loop must keep these rules:
+    """Train as configured and return rank 0's summary, in three numbered blocks a step. In one
+    process W = 1 and rank = 0, gather returns its input and sum_gradients does nothing, so rules
+    1 and 2 hold by themselves there. An editor of the loop must keep these rules:
     1. A token's w is its share of the batch on all ranks, as batch_weights counts every rank's
        rows. With dapo and ranks of 10 and 6 tokens, w is 1/16, not 1/10 and 1/6. So the
        micro-batches' losses on all ranks add up to one -J.
@@ -687,7 +687,7 @@ def train(cfg) -> dict:
        on all ranks, such as which rows train, reads only gathered numbers.
     3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
-    5. A rank may hold no rows at any stage. Dynamic sampling drops questions, and an open GRPO-MA
+    5. A rank may hold no rows at any stage: dynamic sampling drops questions, and an open GRPO-MA
        thought gets no answers. A step where no rank holds a row makes no update.
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
     device, (rank, W) = setup_ranks(), rank_and_world()

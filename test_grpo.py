@@ -4090,6 +4090,7 @@ def test_the_one_step_figure_draws_the_numbers_of_grpo_py(tmp_path):
             tokens[part_of(row)] = tokens.get(part_of(row), 0) + len(row.tokens)
         for row, r, a, lam in zip(rows, rewards, advantages, lambdas):
             assert row.outcome == pytest.approx(r) and row.advantage == pytest.approx(float(a), abs=1e-5)
+            assert row.weight == pytest.approx(1 / tokens[part_of(row)])
             assert row.coefficients == pytest.approx([float(a) / tokens[part_of(row)]] * len(row.tokens), abs=1e-6)
             assert row.lambdas == lam
 
@@ -4118,7 +4119,7 @@ def test_the_one_step_figure_draws_the_numbers_of_grpo_py(tmp_path):
           prefix_counts(asked_q0) + [[1] * len(row.tokens) for row in ta[len(asked_q0):]])
     assert all(row.label.endswith("given q0") for row in ta) and len(asked_q0) < len(ta)
     for a, b in zip(plain, lam):
-        assert a.tokens == b.tokens and a.lambdas == b.lambdas
+        assert a.tokens == b.tokens and a.lambdas == b.lambdas and a.weight == b.weight
         assert [c * n for c, n in zip(b.coefficients, b.lambdas)] == pytest.approx(a.coefficients, abs=1e-7)
 
 

@@ -44,6 +44,7 @@ class Row(NamedTuple):
     label: str            # the context it trains in, and what it is
     outcome: float        # r, or V for a GRPO-MA thought
     advantage: float      # A
+    weight: float         # w of its tokens, before λ divides it
     tokens: list          # its completion's tokens, as text
     coefficients: list    # w_it A_i of each token
     lambdas: list         # |λ(i,t)| of each token
@@ -98,9 +99,10 @@ def table(model, tokenizer, examples):
         cfg = grpo.Config(seed=SEED, **flags)
         rows, lambdas = one_step(model, tokenizer, cfg, [examples[QUESTION]])
         coefficients = rows.loss_weights * rows.advantages[:, None]  # (B, C): w_it A_i
+        weights = rows.loss_weights * lambdas if cfg.lambda_weights else rows.loss_weights  # before λ
         on = rows.completion_mask.bool()
         panels[title] = [
-            Row(i, label, rows.outcomes[i].item(), rows.advantages[i].item(),
+            Row(i, label, rows.outcomes[i].item(), rows.advantages[i].item(), weights[i, 0].item(),
                 [tokenizer.decode([t]) for t in completion(rows, i)], coefficients[i][on[i]].tolist(),
                 lambdas[i][on[i]].tolist(), start, group)
             for i, label, start, group in layout(rows, cfg, tokenizer)]
@@ -125,26 +127,29 @@ def draw(panels, path, question):
     figure.suptitle(f"One step of each scheme on the tiny model, q = {question['question']} (answer "
                     f"{question['answer']}). A cell is a completion token, coloured by w·A, its coefficient on "
                     "log π in the loss\n(red: the step pushes the token up, blue: down). The small number under it "
-                    "is |λ(i,t)|, the rows of its context that share its prefix up to it.", fontsize=10, x=0.01,
+                    "is |λ(i,t)|, the rows sampled after its row's context (equal token ids) that share its prefix up "
+                    "to it:\nso the answers to two equal thoughts count together, and a row that trains given another "
+                    "context than it was sampled after (TA-GRPO's rows asked as q1) counts 1.", fontsize=10, x=0.01,
                     y=0.995, ha="left")
-    figure.subplots_adjust(top=0.93, hspace=0.3)
+    figure.subplots_adjust(top=0.92, hspace=0.3)
     for ax, (title, rows) in zip(axes, panels.items()):
         ax.set_title(title, loc="left", fontsize=10, fontweight="bold")
         for y, row in enumerate(rows):
             if y and row.group != rows[y - 1].group:  # a new phrasing, or a new thought's tree
                 ax.axhline(y - 0.5, color="0.6", lw=0.6)
             name = "V" if row.label.endswith(tuple(f"thought {k}" for k in range(10))) else "r"
-            ax.text(-0.3, y, f"{row.label}   {name} {row.outcome:.2f}   A {row.advantage:+.2f}", ha="right",
-                    va="center", fontsize=8, family="monospace")
+            ax.text(-0.3, y, f"{row.label}   {name} {row.outcome:.2f}   A {row.advantage:+.2f}   "
+                    f"w 1/{1 / row.weight:.0f}", ha="right", va="center", fontsize=8, family="monospace")
             if row.start:  # a GRPO-MA answer continues its thought, drawn above it: join them
                 thought = next(t for t in range(y) if rows[t].group == row.group)
                 ax.plot([row.start - 0.3, row.start - 0.3, row.start], [thought + 0.45, y, y], color="0.4", lw=0.8)
             for x, (token, c, lam) in enumerate(zip(row.tokens, row.coefficients, row.lambdas), row.start):
                 ax.add_patch(plt.Rectangle((x, y - 0.45), 0.95, 0.9, color=colours(norm(c))))
+                ink = "white" if abs(norm(c) - 0.5) > 0.35 else "black"  # legible on a deep colour
                 short = SHORT.get(token, token if len(token) == 1 else token.strip("<>|"))
                 ax.text(x + 0.47, y - 0.1, short, ha="center", va="center", family="monospace",
-                        fontsize=8 if len(short) == 1 else 5.5)
-                ax.text(x + 0.47, y + 0.3, f"{lam:.0f}", ha="center", va="center", fontsize=5, color="0.3")
+                        fontsize=8 if len(short) == 1 else 5.5, color=ink)
+                ax.text(x + 0.47, y + 0.3, f"{lam:.0f}", ha="center", va="center", fontsize=5.5, color=ink)
         ax.set_xlim(-0.2, width)
         ax.set_ylim(len(rows) - 0.5, -0.6)
         ax.axis("off")
