@@ -469,9 +469,9 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
-    after = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # what a thought's answers follow
+    answer_context = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # prompt + thought k
              zip(thought_question, thoughts.completion_ids, thoughts.completion_mask)]
-    answers = generate(model, tokenizer, [a for a, ok in zip(after, closed) if ok], M,
+    answers = generate(model, tokenizer, [c for c, ok in zip(answer_context, closed) if ok], M,
                        cfg.max_answer_tokens, cfg.temperature)  # one row per answer_thought
     answer_texts = decode(tokenizer, answers.completion_ids, answers.completion_mask)
     texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
@@ -487,7 +487,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         completion_mask=thoughts.completion_mask, advantages=thought_adv, outcomes=values,
         questions=thought_question)
     answer_rows = Rows(
-        contexts=[after[k] for k in answer_thought], completion_ids=answers.completion_ids,
+        contexts=[answer_context[k] for k in answer_thought], completion_ids=answers.completion_ids,
         completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
         questions=answer_question, parts=torch.ones_like(answer_question))
     metrics = dict(reward=rewards,
@@ -547,11 +547,11 @@ def part_counts(rows: Rows):
     return torch.tensor([[(rows.parts == p).sum(), tokens[rows.parts == p].sum()] for p in (0, 1)])
 
 def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
-    """w_it = aggregation_weights(row i's part of J, with that part's rows and tokens on all ranks).
-    counts[p] holds those of part p, so a token's w is its share of the whole batch. Under grpo and
-    ta, and under ma with --ma-weighting tokens, the batch is one part. Otherwise GRPO-MA's two
-    parts are a token mean each, with their own length limits. With dapo, 40 thought tokens and 120
-    answer tokens on all ranks, a thought token's w is 1/40, an answer token's 1/120: Σ w is 2."""
+    """w_it = aggregation_weights of row i's part of J, with counts[p], that part's rows and tokens
+    on all ranks. So a token's w is its share of the whole batch. Under grpo and ta, and under ma
+    with --ma-weighting tokens, the batch is one part. Otherwise GRPO-MA's thoughts and answers are
+    two parts, each a token mean with its own length limit. With dapo, 40 thought tokens and 120
+    answer tokens make a thought token's w 1/40 and an answer token's 1/120, so the w sum to 2."""
     limits = [cfg.max_new_tokens, cfg.max_answer_tokens]  # ma: the thoughts' and the answers'
     if cfg.variant != "ma" or cfg.ma_weighting == "tokens":  # one part: the whole batch
         num_rows, num_tokens = counts.sum(0).tolist()  # every rank's rows and tokens
@@ -565,11 +565,11 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):
-    """w_it <- w_it / |λ(i,t)| if enabled, where λ(i,t) holds the rows sampled after row i's context
-    that train in it and share row i's tokens 0 to t: λ-GRPO's weighting, for any variant. The
-    rows of one context are a question's G completions or K thoughts, a thought's M answers, or a
-    phrasing's G responses. A swapped row keeps its w, as it was drawn in another context's tree.
-    It also returns each masked token's |λ| for the log's lambda_mean, so it runs with λ off."""
+    """Divides each token's w by |λ(i,t)| if enabled: λ-GRPO's weighting, for any variant. λ(i,t)
+    is the set of rows that were sampled after row i's context, train in it, and agree with row i
+    on tokens 0 to t. Contexts are compared as token lists, so the answers to two equal thoughts
+    share one. A swapped row keeps its w, because it was not sampled in the context it trains in.
+    The function also returns each masked token's |λ|, which the log reads even with λ off."""
     on = ~rows.context_swapped  # (B,) the rows sampled after the context they train in
     contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
     context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
@@ -651,7 +651,7 @@ def dynamic_sampling(model, tokenizer, cfg, examples: list[dict], rng):
     sampling returns this rank's rows of the kept questions, and the metrics of all it sampled.
         repeat: draw P questions not drawn before in this step; roll out this rank's share of them
                 gather every rank's signal, a bool per question, so that all ranks hold the draw's
-                keep the first questions with signal, as many as P has room for
+                keep the first questions with signal, until P questions are kept
         until P questions are kept or --max-gen-batches draws are spent
     In one process the share is the whole draw. Take two ranks and P = 2, one question a rank:
         draw 1   rank 0: question a, no signal   rank 1: question b, signal   keep b       1 of 2
@@ -717,7 +717,7 @@ def train(cfg) -> dict:
                 questions = rng.sample(examples, P)[rank * P // W:(rank + 1) * P // W]
                 rows, metrics = ROLLOUTS[cfg.variant](model, tokenizer, cfg, questions)
             # 2. Each token's weight, as a share of the batch on all ranks (rule 1), then λ's
-            counts = gather(part_counts(rows)[None]).sum(0)  # (2, 2) the rows that train
+            counts = gather(part_counts(rows)[None]).sum(0)  # (2, 2); gather(x) is x in one process
             rows = replace(rows, loss_weights=batch_weights(rows, cfg, counts))
             rows, metrics["lambda_mean"] = lambda_rows(rows, cfg.lambda_weights)
             # 3. The update, unless no rank holds a row (rule 5). The learning rate warms up.

@@ -113,12 +113,11 @@ SHORT = {"<think>": "<t>", "</think>": "</t>", "<answer>": "<a>", "</answer>": "
 
 
 def draw(panels, path, question):
-    """One panel per scheme: each row a line of cells, coloured by w·A on one scale for all panels."""
+    """One panel per scheme: each row a line of cells, coloured by w·A on the panel's own scale, so that a panel's
+    largest coefficient, whichever scheme it is, is the deepest colour."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    scale = max(abs(c) for rows in panels.values() for row in rows for c in row.coefficients)
-    norm = matplotlib.colors.TwoSlopeNorm(0, -scale, scale)
     colours = matplotlib.colormaps["RdBu_r"]
     heights = [len(rows) + 1.2 for rows in panels.values()]
     width = max(row.start + len(row.tokens) for rows in panels.values() for row in rows)
@@ -133,13 +132,16 @@ def draw(panels, path, question):
                     y=0.995, ha="left")
     figure.subplots_adjust(top=0.92, hspace=0.3)
     for ax, (title, rows) in zip(axes, panels.items()):
-        ax.set_title(title, loc="left", fontsize=10, fontweight="bold")
+        scale = max(abs(c) for row in rows for c in row.coefficients)
+        norm = matplotlib.colors.TwoSlopeNorm(0, -scale, scale)
+        figure.colorbar(matplotlib.cm.ScalarMappable(norm, colours), ax=ax, pad=0.01, aspect=8, label="w·A")
+        ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
         for y, row in enumerate(rows):
             if y and row.group != rows[y - 1].group:  # a new phrasing, or a new thought's tree
                 ax.axhline(y - 0.5, color="0.6", lw=0.6)
             name = "V" if row.label.endswith(tuple(f"thought {k}" for k in range(10))) else "r"
             ax.text(-0.3, y, f"{row.label}   {name} {row.outcome:.2f}   A {row.advantage:+.2f}   "
-                    f"w 1/{1 / row.weight:.0f}", ha="right", va="center", fontsize=8, family="monospace")
+                    f"w 1/{1 / row.weight:.0f}", ha="right", va="center", fontsize=9, family="monospace")
             if row.start:  # a GRPO-MA answer continues its thought, drawn above it: join them
                 thought = next(t for t in range(y) if rows[t].group == row.group)
                 ax.plot([row.start - 0.3, row.start - 0.3, row.start], [thought + 0.45, y, y], color="0.4", lw=0.8)
@@ -148,13 +150,11 @@ def draw(panels, path, question):
                 ink = "white" if abs(norm(c) - 0.5) > 0.35 else "black"  # legible on a deep colour
                 short = SHORT.get(token, token if len(token) == 1 else token.strip("<>|"))
                 ax.text(x + 0.47, y - 0.1, short, ha="center", va="center", family="monospace",
-                        fontsize=8 if len(short) == 1 else 5.5, color=ink)
-                ax.text(x + 0.47, y + 0.3, f"{lam:.0f}", ha="center", va="center", fontsize=5.5, color=ink)
+                        fontsize=9 if len(short) == 1 else 6, color=ink)
+                ax.text(x + 0.47, y + 0.3, f"{lam:.0f}", ha="center", va="center", fontsize=6.5, color=ink)
         ax.set_xlim(-0.2, width)
         ax.set_ylim(len(rows) - 0.5, -0.6)
         ax.axis("off")
-    figure.colorbar(matplotlib.cm.ScalarMappable(norm, colours), ax=axes, shrink=0.4, pad=0.01,
-                    label="w·A, the coefficient on log π")
     figure.savefig(path, dpi=120, bbox_inches="tight")
 
 
