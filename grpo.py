@@ -584,27 +584,21 @@ def completion_logps(model, rows: Rows, temperature: float):
     before it, B by C and 0 off the mask, from one forward pass with no KV cache. The rows are
     right-padded, so no position sees only padding, which on CUDA can make the backward pass NaN.
 
-        input      p1 p2 p3 t1 t2 pad     a context of 3 tokens, then its completion
-        predicts         t1 t2  -         position 3 - 1 + j predicts token j, where mask is 1
-
-    For row i, with c context tokens and n completion tokens, this is the log softmax of
-    lm_head(hidden[i, c-1 : c-1+n]) at those n tokens. The code takes all rows at once, and
-    hidden[predicts] and logps[mask] both list row 0's entries, then row 1's, so they line up."""
-    mask, n = rows.completion_mask.bool(), rows.completion_mask.sum(1)  # n tokens, then padding
+        input      p1 p2 p3 t1 t2 pad     a context of c = 3 tokens, then n = 2 completion tokens
+        predicts         t1 t2  -         position c - 1 + j predicts completion token j"""
+    n = rows.completion_mask.sum(1)  # (B,) each row's completion tokens, then padding
     seqs = [c + row[:k].tolist() for c, row, k in zip(rows.contexts, rows.completion_ids, n)]
     ids, attention = (x.to(n.device) for x in pad_ids(seqs, 0, "right"))  # (B, S)
-    start = torch.tensor([len(c) - 1 for c in rows.contexts], device=n.device)[:, None]
-    position = torch.arange(ids.shape[1], device=n.device)  # (S,)
-    predicts = (position >= start) & (position < start + n[:, None])  # (B, S)
-    hidden = run_decoder(model, ids, attention)[predicts]  # (tokens, H), in logps[mask]'s order
-    chunk = max(1, 2**25 // model.lm_head.out_features)  # so memory does not grow with the vocab
-    def chunk_logps(h, t):
+    hidden = run_decoder(model, ids, attention)  # (B, S, H)
+    def token_logps(h, tokens):  # (n, H) and (n,) -> (n,)
         logits = model.lm_head(h).float() / temperature  # after the cast: bf16 / T would round
-        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    logps = torch.zeros(rows.completion_ids.shape, device=mask.device)
-    logps[mask] = torch.cat([  # checkpointed, so no chunk's logits wait for backward
-        torch.utils.checkpoint.checkpoint(chunk_logps, h, t, use_reentrant=False)
-        for h, t in zip(hidden.split(chunk), rows.completion_ids[mask].split(chunk))])
+        return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    logps = torch.zeros(rows.completion_ids.shape, device=n.device)  # (B, C)
+    for i, (context, k) in enumerate(zip(rows.contexts, n.tolist())):
+        start = len(context) - 1  # c - 1, the position that predicts completion token 0
+        logps[i, :k] = torch.utils.checkpoint.checkpoint(  # so no row's logits wait for backward
+            token_logps, hidden[i, start:start + k], rows.completion_ids[i, :k],
+            use_reentrant=False)
     return logps
 
 def update(model, ref_model, optimizer, rows: Rows, cfg):

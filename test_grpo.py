@@ -1156,8 +1156,9 @@ def test_no_position_of_the_update_sees_only_padding():
         grpo.run_decoder(model, ids, mask)
 
 
-def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
-    """At a vocabulary of 8192 the lm_head runs in chunks of 2**25 // 8192 = 4096 tokens: two here."""
+def test_per_row_logps_equal_the_naive_pass_values_and_gradients():
+    """Rows of 3000, 2500 and 1 completion tokens at a vocabulary of 8192, each row's lm_head checkpointed alone, give
+    the values and gradients of one plain log_softmax over every position."""
     torch.manual_seed(0)
     H, V, C = 16, 8192, 3000
     hidden = torch.randn(3, 1 + C, H, requires_grad=True)  # a context of one token, then C completion tokens
@@ -1178,6 +1179,29 @@ def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
     g_naive = torch.autograd.grad((naive * w).sum(), [hidden, stub.lm_head.weight])
     for a, b in zip(g_ours, g_naive):
         assert torch.allclose(a, b, atol=1e-5 * b.abs().max())
+
+def test_no_row_s_logits_are_kept_for_backward():
+    """completion_logps checkpoints each row's lm_head, so what autograd keeps for the backward pass holds no
+    (tokens, vocab) logits: at a vocabulary of 4096 the largest saved tensor is the decoder's own (B, S, H) output."""
+    H, V, C = 8, 4096, 50
+    hidden = torch.randn(2, 1 + C, H, requires_grad=True)
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(H, V, bias=False)
+            self.model = lambda **kwargs: type("Out", (), {"last_hidden_state": hidden * 1.0})()
+    saved = []
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logps = grpo.completion_logps(Stub(), make_rows([[0]] * 2, torch.randint(0, V, (2, C)),
+                                                        torch.ones(2, C, dtype=torch.long)), 1.0)
+    logps.sum().backward()
+    assert saved and max(saved) < C * V  # one row's logits are C × V = 204,800 floats
+    assert max(saved) <= max(V * H, 2 * (1 + C) * H)  # the lm_head's weight, or the hidden states
+
 
 # -----------------------------------------------------------------------------
 # Token weights: aggregation, GRPO-MA's two parts, λ
