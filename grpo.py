@@ -450,16 +450,16 @@ def rollout_grpo(model, tokenizer, cfg, batch: list[dict]):
 def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     """GRPO-MA: each question gets K thoughts, and each thought ends at the token that completes
     </think>. Each closed thought gets M answers, sampled after the prompt and the thought. An open
-    thought gets no answers, so its V is its own reward as GRPO would score it: 0 for both shipped
-    rewards when it was cut at its limit. The rows of one question, K = 3, M = 2, thought 1 open:
+    thought gets no answers. So its V is its own reward as GRPO would score it, which is 0 under
+    both shipped rewards when the thought was cut at its limit. One question's rows, K = 3, M = 2:
         row  context             completion                advantage  part  w (batch_weights)
         0-2  prompt              thoughts 0, 1 (open), 2   A(th_k)    0     1 / (thought tokens)
         3-4  prompt + thought 0  answers 0 and 1 to it     A(a_0m)    1     1 / (answer tokens)
         5-6  prompt + thought 2  answers 0 and 1 to it     A(a_2m)    1     1 / (answer tokens)
     So J is the mean over the thoughts' tokens plus the mean over the answers' tokens, and M
-    answers do not outweigh the thought they follow. The index lists below rely on generate's
-    order, n rows to a prompt, prompt by prompt: thought k of question p is row p·K + k, and the
-    answers to the j-th closed thought are rows j·M to j·M + M - 1. data/one-step.png draws it."""
+    answers do not outweigh the thought they follow. data/one-step.png draws such rows. The index
+    lists below rely on generate's order, n rows to a prompt, prompt by prompt. So thought k of
+    question p is row p·K + k, and the j-th closed thought's answers are rows j·M to j·M + M - 1."""
     K, M = cfg.num_thoughts, cfg.num_answers
     # 1. Sample the tree. The comments show its indices in the example above.
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in batch]
@@ -506,9 +506,10 @@ def rollout_ta(model, tokenizer, cfg, batch: list[dict]):
         context, original       q0 of 0    q0 of 0    q0 of 1    rows 2 and 3: context swapped
         context, rephrased      q0 of 0    q1 of 0    q0 of 1    no context swapped
     The default anchor has a cost. A response sampled given q_j trains π given q0 with no
-    importance weight, so the step is not q0's policy gradient: it raises π(o | q0) for what q_j
-    made likely, a bias taken on purpose so that the rephrasings explore (arXiv 2601.22478v5).
-    The rephrased anchor, as the paper's code has it, is each phrasing's own policy gradient."""
+    importance weight. So the step is not q0's policy gradient, because it raises π(o | q0) for
+    what q_j made likely. The paper takes this bias on purpose, so that the rephrasings explore
+    (arXiv 2601.22478v5). The rephrased anchor, as in the paper's code, is each phrasing's own
+    policy gradient."""
     G, N = cfg.num_generations, cfg.num_rephrasings
     phrasings, question, is_q0 = [], [], []  # one entry per phrasing: its text, question, if q0
     for q, ex in enumerate(batch):
@@ -551,7 +552,9 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     on all ranks. So a token's w is its share of the whole batch. Under grpo and ta, and under ma
     with --ma-weighting tokens, the batch is one part. Otherwise GRPO-MA's thoughts and answers are
     two parts, each a token mean with its own length limit. With dapo, 40 thought tokens and 120
-    answer tokens make a thought token's w 1/40 and an answer token's 1/120, so the w sum to 2."""
+    answer tokens make a thought token's w 1/40 and an answer token's 1/120, so the w sum to 2.
+    With --loss-type grpo and one question, J = (1/K) Σ_k J(th_k) + (1/KM) Σ_km J(a_km), where J(o)
+    is row o's token mean. This form comes from a summary, as the paper's body was not available."""
     limits = [cfg.max_new_tokens, cfg.max_answer_tokens]  # ma: the thoughts' and the answers'
     if cfg.variant != "ma" or cfg.ma_weighting == "tokens":  # one part: the whole batch
         num_rows, num_tokens = counts.sum(0).tolist()  # every rank's rows and tokens
@@ -565,11 +568,11 @@ def batch_weights(rows: Rows, cfg, counts) -> torch.Tensor:
     return weights
 
 def lambda_rows(rows: Rows, enabled: bool):
-    """Divides each token's w by |λ(i,t)| if enabled: λ-GRPO's weighting, for any variant. λ(i,t)
-    is the set of rows that were sampled after row i's context, train in it, and agree with row i
+    """If enabled, this divides each token's w by |λ(i,t)|, as λ-GRPO does, for any variant. The set
+    λ(i,t) holds the rows that were sampled after row i's context, train in it, and agree with row i
     on tokens 0 to t. Contexts are compared as token lists, so the answers to two equal thoughts
     share one. A swapped row keeps its w, because it was not sampled in the context it trains in.
-    The function also returns each masked token's |λ|, which the log reads even with λ off."""
+    The log reads each masked token's |λ| even with λ off, so lambda_rows returns those too."""
     on = ~rows.context_swapped  # (B,) the rows sampled after the context they train in
     contexts = [c for c, sampled_here in zip(rows.contexts, on.tolist()) if sampled_here]
     context_ids = torch.tensor([contexts.index(c) for c in contexts], dtype=torch.long)  # first row
@@ -580,9 +583,10 @@ def lambda_rows(rows: Rows, enabled: bool):
 
 # 5. The update: Rows -> micro-batches -> completion_logps -> policy_loss -> backward -> step.
 def completion_logps(model, rows: Rows, temperature: float):
-    """Log softmax(logits / T) of each completion token, given its row's context and the tokens
-    before it, B by C and 0 off the mask, from one forward pass with no KV cache. The rows are
-    right-padded, so no position sees only padding, which on CUDA can make the backward pass NaN.
+    """The log-prob, log softmax(logits / T), of each completion token given its row's context and
+    the tokens before it. The result is B by C and 0 off the mask. One forward pass with no KV
+    cache computes it. The rows are right-padded, so no position sees only padding, which on CUDA
+    can make the backward pass NaN.
 
         input      p1 p2 p3 t1 t2 pad     a context of c = 3 tokens, then n = 2 completion tokens
         predicts         t1 t2  -         position c - 1 + j predicts completion token j"""
@@ -681,6 +685,8 @@ def train(cfg) -> dict:
        on all ranks, such as which rows train, reads only gathered numbers.
     3. The step's seed draws its questions and seeds its sampling, so a resume repeats the step.
     4. A checkpoint is saved only between steps, so its weights, AdamW and log agree (open_run).
+       So a kill at any moment loses only the steps after the last checkpoint, and --resume
+       runs them again, bit for bit on CPU, because of rule 3.
     5. A rank may hold no rows at any stage: dynamic sampling drops questions, and an open GRPO-MA
        thought gets no answers. A step where no rank holds a row makes no update.
     After an edit, `pytest test_grpo.py -k "rule_1 or gloo or kill_after or no_rows"` checks all."""
@@ -736,10 +742,10 @@ def train(cfg) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg) -> dict:
-    """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n, from n = --eval-samples
-    samples per question at the training temperature; under ma, plain completions within both
-    limits. A chunk holds the questions whose rows × (longest prompt + limit) fit in
-    --eval-batch-tokens of KV cache. Chunk c is seeded with --seed + 12345 + c, on rank c % W."""
+    """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. The n = --eval-samples
+    samples of a question are drawn at the training temperature. Under ma, each sample is a plain
+    completion within both limits. A chunk holds the questions whose rows × (longest prompt + limit)
+    fit in --eval-batch-tokens of KV cache. Rank c % W samples chunk c, seed --seed+12345+c."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in examples]

@@ -1315,6 +1315,17 @@ def test_ma_rows_hold_the_tree(tiny):
     assert metrics["frac_reward_zero_std"].tolist() == [True, True]  # the answers are alike; question 2 has none
 
 
+def test_ma_loss_type_grpo_is_a_row_mean_of_each_part(tiny):
+    """batch_weights' docstring: with --loss-type grpo and one question, J = (1/K) Σ_k J(th_k) + (1/KM) Σ_km J(a_km),
+    J(o) a row's token mean. So thought k's tokens weigh 1/(K |th_k|) each and answer km's 1/(K M |a_km|)."""
+    K, M = 2, 3
+    rows, _ = ma_rollout(tiny[1], M, "parts", "grpo", questions=("2+2=",), K=K)
+    assert rows.parts.tolist() == [0] * K + [1] * K * M
+    lengths = rows.completion_mask.sum(1, keepdim=True)  # (B, 1)
+    expected = torch.where(rows.parts[:, None] == 0, 1 / (K * lengths), 1 / (K * M * lengths))
+    assert torch.allclose(rows.loss_weights, expected * rows.completion_mask)
+
+
 def test_dr_grpo_divides_each_part_by_its_rows_times_its_length_limit(tiny):
     """As TRL: the rows made times the longest completion allowed. Half the thoughts unclosed (3+3=): 4 thoughts,
     limit 8; 2 · M answers, limit 6. Pooled by --ma-weighting tokens: 4 + 2M rows and the longer of the two
