@@ -1156,9 +1156,9 @@ def test_no_position_of_the_update_sees_only_padding():
         grpo.run_decoder(model, ids, mask)
 
 
-def test_per_row_logps_equal_the_naive_pass_values_and_gradients():
-    """Rows of 3000, 2500 and 1 completion tokens at a vocabulary of 8192, each row's lm_head checkpointed alone, give
-    the values and gradients of one plain log_softmax over every position."""
+def test_chunked_logps_equal_the_naive_pass_values_and_gradients():
+    """At a vocabulary of 8192 the lm_head runs in chunks of 2**25 // 8192 = 4096 tokens: two here, for rows of 3000,
+    2500 and 1 completion tokens. They give the values and gradients of one plain log_softmax over every position."""
     torch.manual_seed(0)
     H, V, C = 16, 8192, 3000
     hidden = torch.randn(3, 1 + C, H, requires_grad=True)  # a context of one token, then C completion tokens
@@ -1180,9 +1180,9 @@ def test_per_row_logps_equal_the_naive_pass_values_and_gradients():
     for a, b in zip(g_ours, g_naive):
         assert torch.allclose(a, b, atol=1e-5 * b.abs().max())
 
-def test_no_row_s_logits_are_kept_for_backward():
-    """completion_logps checkpoints each row's lm_head, so what autograd keeps for the backward pass holds no
-    (tokens, vocab) logits: at a vocabulary of 4096 the largest saved tensor is the decoder's own (B, S, H) output."""
+def test_no_logits_are_kept_for_backward():
+    """completion_logps checkpoints each chunk's lm_head, so what autograd keeps for the backward pass holds no
+    (tokens, vocab) logits: at a vocabulary of 4096 the largest saved tensor is the lm_head's weight."""
     H, V, C = 8, 4096, 50
     hidden = torch.randn(2, 1 + C, H, requires_grad=True)
 
@@ -1199,7 +1199,7 @@ def test_no_row_s_logits_are_kept_for_backward():
         logps = grpo.completion_logps(Stub(), make_rows([[0]] * 2, torch.randint(0, V, (2, C)),
                                                         torch.ones(2, C, dtype=torch.long)), 1.0)
     logps.sum().backward()
-    assert saved and max(saved) < C * V  # one row's logits are C × V = 204,800 floats
+    assert saved and max(saved) < C * V  # the logits of one row are C × V = 204,800 floats, of both rows twice that
     assert max(saved) <= max(V * H, 2 * (1 + C) * H)  # the lm_head's weight, or the hidden states
 
 
