@@ -105,7 +105,7 @@ class Config:
 
 RESUMABLE = {"micro_batch_tokens", "gradient_checkpointing", "steps", "test_data", "eval_every",
              "eval_samples", "eval_limit", "eval_batch_tokens", "log_completions", "save_every",
-             "out", "resume", "overwrite"}  # the flags that change no training: --resume may
+             "out", "resume", "overwrite"}  # these change no training, so --resume may change them
 
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
 # pastes alone into your trainer, and policy_loss's example runs one GRPO step through it.
@@ -478,7 +478,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     answer_question = thought_question[answer_thought]  # [0 0 0 0]: an answer's question
     rewards = score_batch(cfg, [batch[p] for p in answer_question], texts, answers.finished)
     cut_rewards = score_batch(cfg, [batch[p] for p in thought_question], thought_texts,
-                              thoughts.finished)  # as GRPO would; ma_advantages reads the open
+                              thoughts.finished)  # as GRPO would; read only for open thoughts
     thought_adv, answer_adv, values = ma_advantages(rewards, answer_thought, thought_question,
                                                     cut_rewards, cfg.scale_rewards)
     # 2. The rows: the P·K thoughts (part 0), then the answers (part 1)
