@@ -110,8 +110,8 @@ RESUMABLE = {"micro_batch_tokens", "gradient_checkpointing", "steps", "test_data
 # 1. The schemes and the loss, on plain tensors. This section needs only math and torch, so it
 # pastes alone into your trainer, and policy_loss's example runs one GRPO step through it.
 def group_advantages(rewards, groups, scale="group", eps=1e-4):
-    """GRPO's advantages. Each reward is normalised within its group, the rows with its group id.
-    The B rewards are floats, and the B group ids run from 0 to n-1. The std is unbiased, as TRL's.
+    """GRPO's advantages. Each reward is normalised within its group by an unbiased std, as TRL's.
+    Group ids run from 0 to n-1. With G rows a group in order, this normalises r.view(n, G) by row.
 
         A_i = (r_i - mean(r_g)) / (std(r_g) + eps)      g: the rows with i's group id
         A_i = r_i - mean(r_g)                           scale="none", as Dr. GRPO
@@ -468,11 +468,11 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
     thought_question = torch.arange(len(batch)).repeat_interleave(K)  # [0 0 0]: each one's question
     thought_texts = decode(tokenizer, thoughts.completion_ids, thoughts.completion_mask)
     closed = torch.tensor(["</think>" in text for text in thought_texts], dtype=bool)  # [T F T]
+    closed_context = [prompts[p] + ids[m.bool()].tolist() for p, ids, m, ok in zip(
+        thought_question, thoughts.completion_ids, thoughts.completion_mask, closed) if ok]
+    answers = generate(model, tokenizer, closed_context, M, cfg.max_answer_tokens, cfg.temperature)
     answer_thought = closed.nonzero().squeeze(1).repeat_interleave(M)  # [0 0 2 2]: its thought
-    answer_context = [prompts[p] + ids[m.bool()].tolist() for p, ids, m in  # prompt + thought k
-             zip(thought_question, thoughts.completion_ids, thoughts.completion_mask)]
-    answers = generate(model, tokenizer, [c for c, ok in zip(answer_context, closed) if ok], M,
-                       cfg.max_answer_tokens, cfg.temperature)  # one row per answer_thought
+    answer_context = [c for c in closed_context for _ in range(M)]  # prompt + its thought
     answer_texts = decode(tokenizer, answers.completion_ids, answers.completion_mask)
     texts = [thought_texts[k] + a for k, a in zip(answer_thought, answer_texts)]  # thought + answer
     answer_question = thought_question[answer_thought]  # [0 0 0 0]: an answer's question
@@ -487,7 +487,7 @@ def rollout_ma(model, tokenizer, cfg, batch: list[dict]):
         completion_mask=thoughts.completion_mask, advantages=thought_adv, outcomes=values,
         questions=thought_question)
     answer_rows = Rows(
-        contexts=[answer_context[k] for k in answer_thought], completion_ids=answers.completion_ids,
+        contexts=answer_context, completion_ids=answers.completion_ids,
         completion_mask=answers.completion_mask, advantages=answer_adv, outcomes=rewards,
         questions=answer_question, parts=torch.ones_like(answer_question))
     metrics = dict(reward=rewards,
