@@ -743,9 +743,9 @@ def train(cfg) -> dict:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], cfg) -> dict:
     """Greedy accuracy and Chen et al.'s unbiased pass@k for k = 1..n. The n = --eval-samples
-    samples of a question are drawn at the training temperature. Under ma, each sample is a plain
-    completion within both limits. A chunk holds the questions whose rows × (longest prompt + limit)
-    fit in --eval-batch-tokens of KV cache. Rank c % W samples chunk c, seed --seed+12345+c."""
+    samples of a question are drawn at the training temperature, under ma as plain completions
+    within both limits. A chunk holds the questions whose rows × (longest prompt + limit) fit in
+    --eval-batch-tokens of KV cache. Rank c % W samples chunk c, seeded --seed + 12345 + c."""
     n, (rank, W) = cfg.eval_samples, rank_and_world()
     limit = cfg.max_new_tokens + (cfg.max_answer_tokens if cfg.variant == "ma" else 0)
     prompts = [prompt_ids(tokenizer, cfg, ex["question"]) for ex in examples]
